@@ -1,0 +1,2 @@
+"""Runs `kvd` as `python -m kvd`."""
+from kvd.cli import main; raise SystemExit(main())  # noqa: E702

@@ -1,0 +1,1 @@
+"""Runs in the operator's shell: `kvd bench` suites (SPEC section 10)."""

@@ -1,0 +1,298 @@
+"""Runs in the daemon (pure core): the block index of one pool (SPEC section 4).
+
+No sockets, files, clocks or threads: every method is a pure state transition,
+so the daemon, the benchmarks and the property tests drive the same object.
+
+Per-block state lives in flat arrays indexed by slot id, so a block costs one
+dict entry here plus its entry in the policy:
+
+    _slot_of   {key -> slot}
+    _key_at    [slot] -> key | None
+    _ready     [slot] -> 0 (being stored) | 1 (loadable)
+    _refs      [slot] -> number of load references (pins)
+    free slots = [_next_fresh, num_blocks) fresh ids, then _free (a LIFO stack)
+
+Every method validates its whole batch before it mutates anything, so misuse
+raises a `KvdError` and leaves the index exactly as it was.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+
+from kvd.errors import BadRequest, MissingKey, NotPinned, NotReady
+from kvd.index.policies import make_policy
+from kvd.index.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+
+
+class BlockIndex:
+    """Where each block of one pool lives, its state, and who may be evicted."""
+
+    def __init__(self, num_blocks: int, policy: str = "lru", block_tokens: int = 16) -> None:
+        if num_blocks < 1:
+            raise BadRequest(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_tokens < 1:
+            raise BadRequest(f"block_tokens must be >= 1, got {block_tokens}")
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self._slot_of: dict[Key, int] = {}
+        self._key_at: list[Key | None] = [None] * num_blocks
+        self._ready = bytearray(num_blocks)
+        self._refs = array("i", bytes(4 * num_blocks))
+        self._free: list[int] = []
+        self._next_fresh = 0
+        self._num_not_ready = 0
+        self._num_pinned = 0
+        self._events: list[OffloadingEvent] = []
+        self.policy = make_policy(policy, num_blocks, self._is_ready, self._is_evictable)
+
+    # -- policy callbacks (read-only) -------------------------------------
+
+    def _is_ready(self, key: Key) -> bool:
+        return self._ready[self._slot_of[key]] == 1
+
+    def _is_evictable(self, key: Key) -> bool:
+        slot = self._slot_of[key]
+        return self._ready[slot] == 1 and self._refs[slot] == 0
+
+    # -- the verbs ----------------------------------------------------------
+
+    def lookup(self, keys: Sequence[Key]) -> int | None:
+        """The number of leading keys present and ready; `None` = retry later.
+
+        The run of hits stops at the first absent key; reaching a key whose
+        store is still in flight answers `None`. Changes no state.
+        """
+        hits = 0
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                break
+            if not self._ready[slot]:
+                self.policy.record_lookup(keys)
+                return None
+            hits += 1
+        self.policy.record_lookup(keys)
+        return hits
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadStoreSpec:
+        """Pins every key (`ref_cnt += 1`) and returns their slots in key order.
+
+        Every key must be present (else `MissingKey`) and ready (else
+        `NotReady`); on error nothing is pinned.
+        """
+        slots = [self._ready_slot(key) for key in keys]
+        refs = self._refs
+        for slot in slots:
+            if refs[slot] == 0:
+                self._num_pinned += 1
+            refs[slot] += 1
+        return LoadStoreSpec(slots)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Marks keys recently used; reversed, so the first (prefix) key ends most recent."""
+        slot_of = self._slot_of
+        for key in reversed(keys):
+            if key in slot_of:
+                self.policy.touch(key)
+
+    def complete_load(self, keys: Sequence[Key]) -> None:
+        """Drops one load reference per key (a key listed twice drops two).
+
+        A key that is absent (`MissingKey`) or holds fewer references than
+        asked (`NotPinned`) fails the whole call; no count goes negative.
+        """
+        wanted = Counter(keys)
+        slots: list[tuple[int, int]] = []
+        for key, count in wanted.items():
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise MissingKey(f"complete_load of absent key {key.hex()}")
+            if self._refs[slot] < count:
+                raise NotPinned(
+                    f"complete_load of key {key.hex()} x{count} but it holds "
+                    f"{self._refs[slot]} load reference(s)"
+                )
+            slots.append((slot, count))
+        refs = self._refs
+        for slot, count in slots:
+            refs[slot] -= count
+            if refs[slot] == 0:
+                self._num_pinned -= 1
+
+    def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreOutput | None:
+        """Allocates slots for the keys not yet present, evicting if it must.
+
+        Keys already present (ready or in flight) are skipped; the keys of
+        this call are protected from eviction. When free slots plus what the
+        policy can evict cannot hold them all, returns `None` and changes
+        nothing. New keys are inserted not ready, on fresh slot ids in
+        ascending order first, then on freed ids last-in-first-out.
+        """
+        slot_of = self._slot_of
+        new_keys: list[Key] = []
+        seen: set[Key] = set()
+        for key in keys:
+            if key not in slot_of and key not in seen:
+                seen.add(key)
+                new_keys.append(key)
+        need = len(new_keys) - self.num_free
+        if len(new_keys) > self.num_blocks:
+            return None
+        evicted: list[Key] = []
+        if need > 0:
+            victims = self.policy.evict(need, frozenset(keys))
+            if victims is None:
+                return None
+            evicted = victims
+            for key in victims:
+                self._release_slot(slot_of.pop(key))
+        slots: list[int] = []
+        for key in new_keys:
+            slot = self._alloc_slot()
+            slot_of[key] = slot
+            self._key_at[slot] = key
+            self.policy.insert(key)
+            slots.append(slot)
+        self._num_not_ready += len(new_keys)
+        if evicted:
+            self._events.append(OffloadingEvent(evicted, self.block_tokens, "CPU", removed=True))
+        return PrepareStoreOutput(new_keys, LoadStoreSpec(slots), evicted)
+
+    def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
+        """Finishes stores: success makes the not-ready keys ready (one stored
+        event); failure frees the not-ready keys (no event). Keys already ready
+        are left as they are; an absent key (`MissingKey`) fails the call.
+        """
+        slot_of = self._slot_of
+        pending: dict[Key, int] = {}
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None:
+                raise MissingKey(f"complete_store of absent key {key.hex()}")
+            if not self._ready[slot]:
+                pending[key] = slot
+        if not pending:
+            return
+        self._num_not_ready -= len(pending)
+        if success:
+            for slot in pending.values():
+                self._ready[slot] = 1
+            self._events.append(OffloadingEvent(list(pending), self.block_tokens, "CPU"))
+        else:
+            for key, slot in pending.items():
+                del slot_of[key]
+                self.policy.remove(key)
+                self._release_slot(slot)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Drains the events emitted since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def reset(self) -> None:
+        """Drops every block, pinned or in flight, and any undrained event."""
+        n = self.num_blocks
+        self._slot_of.clear()
+        self._key_at = [None] * n
+        self._ready = bytearray(n)
+        self._refs = array("i", bytes(4 * n))
+        self._free.clear()
+        self._next_fresh = 0
+        self._num_not_ready = 0
+        self._num_pinned = 0
+        self._events.clear()
+        self.policy.clear()
+
+    # -- read-only views ----------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._next_fresh + len(self._free)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_not_ready
+
+    @property
+    def num_pinned(self) -> int:
+        return self._num_pinned
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._slot_of) - self._num_not_ready
+
+    def slot_of(self, key: Key) -> int | None:
+        return self._slot_of.get(key)
+
+    def is_ready(self, key: Key) -> bool:
+        slot = self._slot_of.get(key)
+        return slot is not None and self._ready[slot] == 1
+
+    def ref_cnt(self, key: Key) -> int:
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._refs[slot]
+
+    def check_invariants(self) -> list[str]:
+        """The SPEC section 4 invariants that do not hold (empty when all do). O(n)."""
+        problems: list[str] = []
+        allocated = len(self._slot_of)
+        if self.num_free + allocated != self.num_blocks:
+            problems.append(
+                f"free {self.num_free} + allocated {allocated} != num_blocks {self.num_blocks}"
+            )
+        slots = list(self._slot_of.values())
+        if len(set(slots)) != len(slots):
+            problems.append("a slot is held by two keys")
+        free = set(self._free)
+        if len(free) != len(self._free) or any(s >= self._next_fresh for s in free):
+            problems.append("free list holds a duplicate or never-allocated slot")
+        if free & set(slots):
+            problems.append("a free slot is also allocated")
+        for key, slot in self._slot_of.items():
+            if self._key_at[slot] != key:
+                problems.append(f"slot {slot} does not point back at its key")
+                break
+        if any(r < 0 for r in self._refs):
+            problems.append("negative ref_cnt")
+        not_ready = sum(1 for s in slots if not self._ready[s])
+        if not_ready != self._num_not_ready:
+            problems.append(f"in-flight count {self._num_not_ready} != actual {not_ready}")
+        pinned = sum(1 for s in slots if self._refs[s] > 0)
+        if pinned != self._num_pinned or pinned != sum(1 for r in self._refs if r > 0):
+            problems.append(f"pinned count {self._num_pinned} != actual {pinned}")
+        policy_keys = set(self.policy.keys())
+        if len(policy_keys) != len(self.policy) or policy_keys != set(self._slot_of):
+            problems.append("resident keys of the policy != keys of the index")
+        return problems
+
+    # -- slots ----------------------------------------------------------------
+
+    def _ready_slot(self, key: Key) -> int:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            raise MissingKey(f"key {key.hex()} is not in the cache")
+        if not self._ready[slot]:
+            raise NotReady(f"key {key.hex()} is still being stored")
+        return slot
+
+    def _alloc_slot(self) -> int:
+        if self._next_fresh < self.num_blocks:
+            slot = self._next_fresh
+            self._next_fresh += 1
+            return slot
+        return self._free.pop()
+
+    def _release_slot(self, slot: int) -> None:
+        self._key_at[slot] = None
+        self._ready[slot] = 0
+        self._refs[slot] = 0
+        self._free.append(slot)
