@@ -1,33 +1,8 @@
-"""Runs in the daemon (pure core): the value types the block index returns."""
+"""Runs in the daemon (pure core): the value types the block index returns.
 
-from __future__ import annotations
+Defined once in `kvd_client.types`, so the client's verbs return the same ones.
+"""
 
-from dataclasses import dataclass, field
+from kvd_client.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
-Key = bytes
-
-
-@dataclass(frozen=True, slots=True)
-class LoadStoreSpec:
-    """Slot ids in the pool, in the order of the keys they answer."""
-
-    slots: list[int]
-
-
-@dataclass(frozen=True, slots=True)
-class PrepareStoreOutput:
-    """What `prepare_store` allocated: store `keys_to_store` into `store_spec.slots`."""
-
-    keys_to_store: list[Key]
-    store_spec: LoadStoreSpec
-    evicted_keys: list[Key] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadingEvent:
-    """Blocks that became loadable (`removed=False`) or left the cache (`removed=True`)."""
-
-    keys: list[Key]
-    block_tokens: int
-    medium: str = "CPU"
-    removed: bool = False
+__all__ = ["Key", "LoadStoreSpec", "OffloadingEvent", "PrepareStoreOutput"]

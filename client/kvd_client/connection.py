@@ -1,0 +1,194 @@
+"""Runs in engine processes: one DEALER socket and one daemon session, kept alive.
+
+All ZeroMQ traffic of a client goes through here. Requests are synchronous
+(send, then wait for the reply with the same `req_id`) under a lock, so the
+caller's thread and the keeper thread share one socket safely. A reply that
+does not come within `timeout_ms` marks the connection down; the socket is
+dropped (so nothing stale is replayed) and the keeper thread reconnects with
+backoff, says `Hello` again and runs `on_connect` (attach). While connected,
+the keeper heartbeats at a third of the lease unless traffic already renewed it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import zmq
+
+from kvd_client import protocol as p
+from kvd_client.errors import ErrorCode, KvdError, Unavailable, error_for
+
+log = logging.getLogger("kvd_client")
+R = TypeVar("R")
+_SESSION_LOST = {ErrorCode.NOT_HELLO, ErrorCode.NO_SUCH_POOL, ErrorCode.NOT_ATTACHED}
+
+
+class Connection:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        role: p.Role,
+        engine_id: str = "",
+        rank: int = 0,
+        world_size: int = 1,
+        timeout_ms: int = 1000,
+        on_connect: Callable[[Connection], None] | None = None,
+        keeper: bool = True,
+    ) -> None:
+        self.endpoint = endpoint
+        self.role: p.Role = role
+        self.engine_id = engine_id
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_ms = timeout_ms
+        self.on_connect = on_connect
+        self.welcome: p.Welcome | None = None
+        self.pushed: deque[p.TransferJob] = deque()
+        self.on_disconnect: Callable[[], None] | None = None
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._lock = threading.RLock()
+        self._next_req = 1
+        self._last_sent = 0.0
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._use_keeper = keeper
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def start(self) -> None:
+        """Connects once now (errors other than unreachable raise), then keeps it alive."""
+        try:
+            self.connect()
+        except Unavailable as exc:
+            log.warning("kvd daemon unreachable at %s (%s); retrying in the background",
+                        self.endpoint, exc)
+        if self._use_keeper and self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvd-keeper", daemon=True)
+            self._keeper.start()
+
+    def connect(self) -> p.Welcome:
+        with self._lock:
+            self._drop()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+            try:
+                reply = self.call(p.Hello, p.PROTOCOL_VERSION, self.role, self.engine_id,
+                                  self.rank, self.world_size, os.getpid())
+                assert isinstance(reply, p.Welcome)
+                self.welcome = reply
+                if self.on_connect is not None:
+                    self.on_connect(self)
+            except BaseException:
+                self._drop()
+                raise
+            return reply
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._request(p.Goodbye(self._take_id()), min(self.timeout_ms, 500))
+                except KvdError:
+                    pass  # the daemon will expire the lease instead
+            self._drop()
+        if self._keeper is not None and self._keeper is not threading.current_thread():
+            self._keeper.join(timeout=2)
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close(linger=0)
+            if self.on_disconnect is not None:
+                self.on_disconnect()
+
+    # -- requests --------------------------------------------------------------
+
+    def _take_id(self) -> int:
+        req_id = self._next_req
+        self._next_req += 1
+        return req_id
+
+    def call(self, cls: Callable[..., Any], *args: Any) -> p.Reply:
+        """Sends `cls(req_id, *args)` and returns its reply; `Error` replies raise."""
+        with self._lock:
+            return self._request(cls(self._take_id(), *args), self.timeout_ms)
+
+    def _request(self, msg: p.Request, timeout_ms: int) -> p.Reply:
+        sock = self._sock
+        if sock is None:
+            raise Unavailable(f"not connected to the kvd daemon at {self.endpoint}")
+        sock.send(p.encoder.encode(msg))
+        self._last_sent = time.monotonic()
+        deadline = self._last_sent + timeout_ms / 1000
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                self._drop()
+                raise Unavailable(f"no reply from the kvd daemon at {self.endpoint} "
+                                  f"within {timeout_ms} ms")
+            reply = p.reply_decoder.decode(sock.recv())
+            if isinstance(reply, p.TransferJob):
+                self.pushed.append(reply)
+            elif reply.req_id == msg.req_id:
+                if isinstance(reply, p.Error):
+                    err = error_for(reply.code, reply.detail)
+                    if err.code in _SESSION_LOST and not isinstance(msg, p.Attach):
+                        self._drop()  # the daemon restarted or the pool went: reconnect
+                    raise err
+                return reply
+            # else: a reply to a request that already timed out; skip it
+
+    def receive(self, timeout_ms: int) -> int:
+        """Waits up to `timeout_ms` for pushed jobs; returns how many are queued."""
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return len(self.pushed)
+            while sock.poll(timeout_ms, zmq.POLLIN):
+                reply = p.reply_decoder.decode(sock.recv())
+                if isinstance(reply, p.TransferJob):
+                    self.pushed.append(reply)
+                timeout_ms = 0
+        return len(self.pushed)
+
+    # -- keeper thread ---------------------------------------------------------
+
+    def _keep(self) -> None:
+        backoff = 0.05
+        while not self._closed.is_set():
+            if self._sock is None:
+                if self._closed.wait(backoff):
+                    return
+                try:
+                    self.connect()
+                    log.info("reconnected to the kvd daemon at %s", self.endpoint)
+                    backoff = 0.05
+                except KvdError as exc:
+                    backoff = min(backoff * 2, 2.0)
+                    log.debug("reconnect failed: %s", exc)
+                continue
+            lease_s = (self.welcome.lease_ms if self.welcome else 10_000) / 1000
+            interval = lease_s / 3
+            if self._closed.wait(max(0.01, interval / 2)):
+                return
+            if time.monotonic() - self._last_sent >= interval:
+                try:
+                    self.call(p.Heartbeat)
+                except KvdError as exc:
+                    log.warning("heartbeat failed: %s", exc)

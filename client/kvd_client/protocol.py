@@ -1,0 +1,301 @@
+"""Runs in every kvd process: the wire protocol, defined once for both sides (SPEC section 6).
+
+ZeroMQ DEALER (client) to ROUTER (daemon). Every frame is one msgpack message
+of a tagged, frozen msgspec Struct; `Request` and `Reply` are the two unions
+of the control channel. All messages are `array_like` (no field names on
+the wire; msgspec cannot mix encodings in one union). Each request carries a client-chosen `req_id` that its reply echoes, so
+a client may pipeline. Fields are only ever appended, with defaults.
+`TransferJob` is pushed by the daemon to workers with `req_id = 0`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 8 << 20
+MAX_KEYS_PER_REQUEST = 65_536
+MAX_KEY_BYTES = 64
+MAX_NAME_CHARS = 128
+
+Role = Literal["scheduler", "worker", "admin"]
+JobKind = Literal["store", "load"]
+
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The geometry and identity an engine attaches to a pool with (SPEC section 3)."""
+
+    model: str
+    dtype: str
+    block_tokens: int
+    world_size: int
+    replicated: bool
+    slot_bytes: int
+    extra: str = ""
+
+
+class _Msg(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    # Every message is array-like: msgspec cannot mix the two encodings in one
+    # union, and the hot ones must be. Tags are the class names.
+    req_id: int
+
+
+# -- requests ----------------------------------------------------------------
+
+
+class Hello(_Msg, frozen=True):
+    protocol_version: int
+    role: Role
+    engine_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    pid: int = 0
+
+
+class Attach(_Msg, frozen=True):
+    pool: str
+    layout: Layout
+    capacity_bytes: int | None = None
+
+
+class Lookup(_Msg, frozen=True):
+    keys: list[bytes]
+
+
+class PrepareLoad(_Msg, frozen=True):
+    keys: list[bytes]
+
+
+class Touch(_Msg, frozen=True):
+    keys: list[bytes]
+
+
+class CompleteLoad(_Msg, frozen=True):
+    keys: list[bytes]
+
+
+class PrepareStore(_Msg, frozen=True):
+    keys: list[bytes]
+
+
+class CompleteStore(_Msg, frozen=True):
+    keys: list[bytes]
+    success: bool = True
+
+
+class Store(_Msg, frozen=True):
+    keys: list[bytes]
+    device_block_ids: list[int]
+
+
+class Load(_Msg, frozen=True):
+    keys: list[bytes]
+    device_block_ids: list[int]
+
+
+class Finished(_Msg, frozen=True):
+    pass
+
+
+class JobDone(_Msg, frozen=True):
+    job_id: int
+    rank: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class Heartbeat(_Msg, frozen=True):
+    pass
+
+
+class Stats(_Msg, frozen=True):
+    pass
+
+
+class Pools(_Msg, frozen=True):
+    pass
+
+
+class DropPool(_Msg, frozen=True):
+    pool: str
+
+
+class Reset(_Msg, frozen=True):
+    pool: str
+
+
+class CheckInvariants(_Msg, frozen=True):
+    """Debug: runs the SPEC section 4 invariant check on every pool."""
+
+
+class Goodbye(_Msg, frozen=True):
+    """Ends the session now instead of at lease expiry (same rollback)."""
+
+
+Request = (
+    Hello
+    | Attach
+    | Lookup
+    | PrepareLoad
+    | Touch
+    | CompleteLoad
+    | PrepareStore
+    | CompleteStore
+    | Store
+    | Load
+    | Finished
+    | JobDone
+    | Heartbeat
+    | Stats
+    | Pools
+    | DropPool
+    | Reset
+    | CheckInvariants
+    | Goodbye
+)
+
+# -- replies -----------------------------------------------------------------
+
+
+class Welcome(_Msg, frozen=True):
+    session_id: int
+    lease_ms: int
+    daemon_version: str
+
+
+class Attached(_Msg, frozen=True):
+    shm_name: str
+    generation: int
+    num_blocks: int
+    row_bytes: int
+    slot_bytes: int
+    num_slots: int
+    slot_stride: int
+
+
+class Ok(_Msg, frozen=True):
+    pass
+
+
+class LookupResult(_Msg, frozen=True):
+    hits: int | None
+
+
+class SlotsResult(_Msg, frozen=True):
+    """`prepare_load`: slot ids in the order of the keys."""
+
+    slots: list[int]
+
+
+class PrepareStoreResult(_Msg, frozen=True):
+    """`prepare_store`; `fits = False` is the index's `None`."""
+
+    fits: bool
+    keys_to_store: list[bytes] = []
+    slots: list[int] = []
+    evicted_keys: list[bytes] = []
+
+
+class StoreTicket(_Msg, frozen=True):
+    """`store`: `fits = False` is "nothing fits"; `job_id` None when all was stored."""
+
+    fits: bool
+    job_id: int | None = None
+    keys_to_store: list[bytes] = []
+    evicted_keys: list[bytes] = []
+
+
+class LoadTicket(_Msg, frozen=True):
+    job_id: int
+
+
+class JobResult(msgspec.Struct, frozen=True, array_like=True):
+    job_id: int
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    detail: str = ""
+
+
+class FinishedResult(_Msg, frozen=True):
+    results: list[JobResult]
+
+
+class PoolInfo(msgspec.Struct, frozen=True):
+    name: str
+    shm_name: str
+    generation: int
+    layout: Layout
+    policy: str
+    num_blocks: int
+    row_bytes: int
+    capacity_bytes: int
+    blocks_ready: int
+    blocks_in_flight: int
+    blocks_pinned: int
+    blocks_free: int
+    sessions: int
+
+
+class PoolsResult(_Msg, frozen=True):
+    pools: list[PoolInfo]
+
+
+class StatsResult(_Msg, frozen=True):
+    daemon_version: str
+    uptime_s: float
+    sessions: int
+    jobs_in_flight: int
+    lease_expirations: int
+    max_total_bytes: int
+    used_bytes: int
+    pools: list[PoolInfo]
+    counters: dict[str, int]
+
+
+class InvariantsResult(_Msg, frozen=True):
+    problems: list[str]
+
+
+class Error(_Msg, frozen=True):
+    code: str
+    detail: str
+
+
+class TransferJob(_Msg, frozen=True):
+    """Pushed to each registered rank of an engine: copy between device blocks and pool rows."""
+
+    job_id: int
+    kind: JobKind
+    pool: str
+    generation: int
+    device_block_ids: list[int]
+    pool_block_ids: list[int]
+    writer: bool = True
+
+
+Reply = (
+    Welcome
+    | Attached
+    | Ok
+    | LookupResult
+    | SlotsResult
+    | PrepareStoreResult
+    | StoreTicket
+    | LoadTicket
+    | FinishedResult
+    | PoolsResult
+    | StatsResult
+    | InvariantsResult
+    | Error
+    | TransferJob
+)
+
+# Built once: decoders and encoders are reused for every frame.
+request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Reply] = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()

@@ -1,0 +1,210 @@
+"""Runs in the engine's scheduler process: the index verbs and transfer jobs, over the wire.
+
+`Scheduler` mirrors `kvd.index.BlockIndex` verb for verb (same names, same
+return types; one round trip per batch) and adds `store`, `load` and
+`finished` for engines whose TP workers use `kvd_client.Worker`.
+
+When the daemon cannot be reached nothing raises into the engine's hot path:
+`lookup` answers 0 hits, `prepare_store` and `store` answer `None`, `touch`
+and the completions do nothing (the daemon already rolled the session back),
+and jobs in flight are reported failed by `finished()` so the engine
+recomputes. The keeper thread reconnects and re-attaches meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_client.errors import KvdError, Unavailable
+from kvd_client.paths import default_endpoint
+from kvd_client.types import LoadStoreSpec, PrepareStoreOutput, StoreTicket
+
+log = logging.getLogger("kvd_client")
+KeyLike = bytes | int
+
+
+def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
+    """Block hashes as bytes; ints are sent as 8-byte big-endian (SPEC section 3)."""
+    return [k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+            for k in keys]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: str,
+        layout: p.Layout,
+        *,
+        engine_id: str,
+        endpoint: str | None = None,
+        capacity_bytes: int | None = None,
+        timeout_ms: int = 1000,
+    ) -> None:
+        self.pool = pool
+        self.layout = layout
+        self.engine_id = engine_id
+        self.capacity_bytes = capacity_bytes
+        self.attached: p.Attached | None = None
+        self._results_lock = threading.Lock()
+        self._outstanding: set[int] = set()
+        self._lost: list[p.JobResult] = []
+        self._conn = Connection(
+            endpoint or default_endpoint(),
+            role="scheduler",
+            engine_id=engine_id,
+            rank=0,
+            world_size=layout.world_size,
+            timeout_ms=timeout_ms,
+            on_connect=self._attach,
+        )
+        self._conn.on_disconnect = self._lose_jobs
+        self._conn.start()
+
+    def _attach(self, conn: Connection) -> None:
+        reply = conn.call(p.Attach, self.pool, self.layout, self.capacity_bytes)
+        assert isinstance(reply, p.Attached)
+        if self.attached is not None and reply.generation != self.attached.generation:
+            log.warning("kvd pool %s was re-created (generation %d -> %d); the cache is cold",
+                        self.pool, self.attached.generation, reply.generation)
+        self.attached = reply
+
+    def _lose_jobs(self) -> None:
+        with self._results_lock:
+            for job_id in sorted(self._outstanding):
+                self._lost.append(p.JobResult(job_id, False, 0, 0.0, "daemon connection lost"))
+            self._outstanding.clear()
+
+    @property
+    def connected(self) -> bool:
+        """Whether a session with the daemon is up right now."""
+        return self._conn.connected
+
+    @property
+    def session_id(self) -> int | None:
+        return self._conn.welcome.session_id if self._conn.welcome else None
+
+    def _call(self, cls: type, *args: object) -> p.Reply:
+        return self._conn.call(cls, *args)
+
+    # -- the index verbs -------------------------------------------------------
+
+    def lookup(self, keys: Sequence[KeyLike]) -> int | None:
+        """Leading keys present and ready; `None` = retry later; 0 when disconnected."""
+        if not self.connected:
+            return 0
+        try:
+            reply = self._call(p.Lookup, as_keys(keys))
+        except Unavailable:
+            return 0
+        assert isinstance(reply, p.LookupResult)
+        return reply.hits
+
+    def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
+        """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected."""
+        reply = self._call(p.PrepareLoad, as_keys(keys))
+        assert isinstance(reply, p.SlotsResult)
+        return LoadStoreSpec(reply.slots)
+
+    def touch(self, keys: Sequence[KeyLike]) -> None:
+        self._quiet(p.Touch, as_keys(keys))
+
+    def complete_load(self, keys: Sequence[KeyLike]) -> None:
+        self._quiet(p.CompleteLoad, as_keys(keys))
+
+    def prepare_store(self, keys: Sequence[KeyLike]) -> PrepareStoreOutput | None:
+        """Allocates slots; `None` when nothing fits or the daemon is unreachable."""
+        if not self.connected:
+            return None
+        try:
+            reply = self._call(p.PrepareStore, as_keys(keys))
+        except Unavailable:
+            return None
+        assert isinstance(reply, p.PrepareStoreResult)
+        if not reply.fits:
+            return None
+        return PrepareStoreOutput(reply.keys_to_store, LoadStoreSpec(reply.slots),
+                                  reply.evicted_keys)
+
+    def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> None:
+        self._quiet(p.CompleteStore, as_keys(keys), success)
+
+    def _quiet(self, cls: type, *args: object) -> None:
+        # Disconnected: the daemon rolled the session back already; nothing to do.
+        if not self.connected:
+            return
+        try:
+            self._call(cls, *args)
+        except Unavailable:
+            return
+
+    # -- transfer jobs ---------------------------------------------------------
+
+    def store(self, keys: Sequence[KeyLike], device_block_ids: Sequence[int]) -> StoreTicket | None:
+        """Stores blocks through the engine's workers; `None` when nothing fits or disconnected."""
+        if not self.connected:
+            return None
+        try:
+            reply = self._call(p.Store, as_keys(keys), list(device_block_ids))
+        except Unavailable:
+            return None
+        assert isinstance(reply, p.StoreTicket)
+        if not reply.fits:
+            return None
+        if reply.job_id is not None:
+            with self._results_lock:
+                self._outstanding.add(reply.job_id)
+        return StoreTicket(reply.job_id, reply.keys_to_store, reply.evicted_keys)
+
+    def load(self, keys: Sequence[KeyLike], device_block_ids: Sequence[int]) -> int:
+        """Starts a load job and returns its id; raises `KvdError` when it cannot start."""
+        reply = self._call(p.Load, as_keys(keys), list(device_block_ids))
+        assert isinstance(reply, p.LoadTicket)
+        with self._results_lock:
+            self._outstanding.add(reply.job_id)
+        return reply.job_id
+
+    def finished(self) -> list[p.JobResult]:
+        """Jobs that completed (or failed) since the last call."""
+        results: list[p.JobResult] = []
+        if self.connected:
+            try:
+                reply = self._call(p.Finished)
+                assert isinstance(reply, p.FinishedResult)
+                results = reply.results
+            except Unavailable:
+                pass
+        with self._results_lock:
+            for r in results:
+                self._outstanding.discard(r.job_id)
+            results = self._lost + results
+            self._lost = []
+        return results
+
+    # -- admin -----------------------------------------------------------------
+
+    def stats(self) -> p.StatsResult:
+        reply = self._call(p.Stats)
+        assert isinstance(reply, p.StatsResult)
+        return reply
+
+    def check_invariants(self) -> list[str]:
+        reply = self._call(p.CheckInvariants)
+        assert isinstance(reply, p.InvariantsResult)
+        return reply.problems
+
+    def close(self) -> None:
+        """Ends the session (the daemon rolls back what it still holds)."""
+        self._conn.close()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["KvdError", "Scheduler", "as_keys"]

@@ -1,0 +1,149 @@
+"""Runs in the daemon and the CLI: the configuration, one frozen object built once.
+
+Sources, later ones winning: built-in defaults, the TOML file (`--config`, or
+`/etc/kvd/kvd.toml` when present), command-line flags. Every key has a flag of
+the same name (`lease_ms` -> `--lease-ms`). Decoding and validation are
+msgspec's; a bad value becomes one `ConfigError` line naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from kvd_client.paths import default_runtime_dir
+from kvd_client.protocol import MAX_NAME_CHARS
+
+DEFAULT_CONFIG_PATH = Path("/etc/kvd/kvd.toml")
+GiB = 1 << 30
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+PoolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_NAME_CHARS)]
+PolicyName = Literal["lru", "arc"]
+
+
+class ConfigError(Exception):
+    """A configuration that cannot run; the message is one line naming the key."""
+
+
+class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A pool declared up front; engines attach to it with an equal layout."""
+
+    name: PoolName
+    model: str
+    dtype: str
+    block_tokens: Positive
+    world_size: Positive
+    replicated: bool = False
+    slot_bytes: Positive
+    extra: str = ""
+    capacity_bytes: Positive
+    policy: PolicyName | None = None
+
+
+class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    runtime_dir: str = ""  # "" = $XDG_RUNTIME_DIR/kvd or /tmp/kvd-<uid>
+    group: str = ""  # service group for sockets and segments; "" = owner only
+    lease_ms: Positive = 10_000
+    job_timeout_ms: Positive = 30_000
+    shutdown_timeout_ms: Positive = 5_000
+    max_total_bytes: NonNegative = 0  # 0 = a quarter of physical RAM
+    default_pool_bytes: Positive = 4 * GiB  # when an Attach names no capacity
+    policy: PolicyName = "lru"
+    pin_cap_fraction: Fraction = 0.5  # of a pool's blocks, per session
+    max_sessions: Positive = 4096
+    prefault: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    pools: list[PoolConfig] = []
+
+    @property
+    def runtime_path(self) -> Path:
+        return Path(self.runtime_dir)
+
+    @property
+    def control_socket(self) -> Path:
+        return self.runtime_path / "control.sock"
+
+
+# Keys that take a flag (all but the pool table).
+FLAG_KEYS = [name for name in Config.__struct_fields__ if name != "pools"]
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: str) -> int:
+    """'64GiB', '512M', '1048576' -> bytes; raises ValueError for anything else."""
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (use e.g. 1048576, 512MiB, 64GiB)")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _normalize_sizes(data: dict[str, Any], where: str = "") -> None:
+    for key, value in data.items():
+        if key.endswith("_bytes") and isinstance(value, str):
+            try:
+                data[key] = parse_size(value)
+            except ValueError as exc:
+                raise ConfigError(f"bad config value for {where}{key}: {exc}") from None
+
+
+def _physical_ram() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * GiB
+
+
+def load_config(
+    path: Path | None,
+    overrides: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Builds the config: defaults, then the file, then the flag overrides."""
+    data: dict[str, Any] = {}
+    if path is None and DEFAULT_CONFIG_PATH.is_file():
+        path = DEFAULT_CONFIG_PATH
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    _normalize_sizes(data)
+    for i, pool in enumerate(data.get("pools", []) or []):
+        if isinstance(pool, dict):
+            _normalize_sizes(pool, f"pools[{i}].")
+    try:
+        config = msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad config value: {_readable(str(exc))}") from None
+    changes: dict[str, Any] = {}
+    if not config.runtime_dir:
+        changes["runtime_dir"] = str(default_runtime_dir(env))
+    if config.max_total_bytes == 0:
+        changes["max_total_bytes"] = _physical_ram() // 4
+    names = [p.name for p in config.pools]
+    if len(set(names)) != len(names):
+        raise ConfigError("bad config value: pools: pool names must be unique")
+    return msgspec.structs.replace(config, **changes) if changes else config
+
+
+def _readable(message: str) -> str:
+    # msgspec says "Expected `int` >= 1 - at `$.lease_ms`"; lead with the key.
+    m = re.match(r"^(.*) - at `\$\.?(.*)`$", message)
+    if m:
+        return f"{m.group(2) or '(top level)'}: {m.group(1)}"
+    return message

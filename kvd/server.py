@@ -1,0 +1,174 @@
+"""Runs in the daemon: the event loop, its sockets, timers and signals.
+
+`run()` -> `serve()` = startup / main loop / shutdown, after uvicorn. The
+control ROUTER is a plain (non-asyncio) ZeroMQ socket whose file descriptor
+is watched by the loop: ZeroMQ signals it edge-triggered, so every wake-up
+drains the socket until it would block, and every send made outside the
+reader re-arms a drain. Handlers run to completion inside the callback; the
+hot path has no awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+from kvd.config import Config
+from kvd.pools import PoolRegistry
+from kvd.region import Manifest, group_id
+from kvd.service import Service
+from kvd.version import __version__
+from kvd_client.protocol import MAX_FRAME_BYTES, Layout
+
+log = logging.getLogger("kvd.server")
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.should_exit = asyncio.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._control: zmq.Socket[bytes] | None = None
+        self.pools: PoolRegistry | None = None
+        self.service: Service | None = None
+
+    # -- startup ---------------------------------------------------------------
+
+    def startup(self) -> None:
+        cfg = self.config
+        gid = group_id(cfg.group)
+        runtime = cfg.runtime_path
+        runtime.mkdir(parents=True, exist_ok=True)
+        os.chmod(runtime, 0o750)
+        if gid is not None:
+            os.chown(runtime, -1, gid)
+        manifest = Manifest(runtime / "segments")
+        stale = manifest.unlink_stale()
+        if stale:
+            log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
+        self.pools = PoolRegistry(cfg, manifest, gid)
+        self.service = Service(cfg, self.pools)
+        for pc in cfg.pools:
+            layout = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size, pc.replicated,
+                            pc.slot_bytes, pc.extra)
+            self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        path = cfg.control_socket
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket file left by a killed daemon
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o660)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        self._control = sock
+        log.info("event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
+                 path, len(self.pools), __version__, cfg.lease_ms)
+
+    # -- main loop -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        outbox = service.outbox
+        for _ in range(10_000):  # bounded, so timers still get their turn
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            now = time.monotonic()
+            if len(frames) == 2:
+                service.handle(frames[0], frames[1], now)
+            else:
+                service.handle(frames[0], b"\xc1", now)  # never-valid msgpack -> BAD_REQUEST
+            if outbox:
+                self._flush()
+        else:
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _flush(self) -> None:
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        for identity, frame in service.outbox:
+            try:
+                sock.send_multipart((identity, frame), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # peer's queue full: it will time out and retry
+                log.warning("event=send_dropped reason=%s", exc)
+        service.outbox.clear()
+
+    async def _ticker(self) -> None:
+        service = self.service
+        assert service is not None
+        period = min(self.config.lease_ms, self.config.job_timeout_ms) / 4000
+        while True:
+            await asyncio.sleep(max(0.01, min(period, 0.5)))
+            service.tick(time.monotonic())
+            if service.outbox:
+                self._flush()
+            self._drain()  # sends can swallow the edge of a new message
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.startup()
+        assert self._control is not None
+        fd = self._control.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        ticker = loop.create_task(self._ticker())
+        self._drain()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.should_exit.set)
+            installed.append(sig)
+        try:
+            await self.should_exit.wait()
+            log.info("event=shutdown_started")
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            loop.remove_reader(fd)
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            self.shutdown()
+
+    # -- shutdown --------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Fails in-flight jobs, tells their schedulers, unlinks every segment."""
+        if self.service is not None:
+            self.service.shutdown()
+        if self._control is not None and self.service is not None:
+            self._flush()
+        if self.pools is not None:
+            self.pools.close()
+        if self._control is not None:
+            self._control.close(linger=min(self.config.shutdown_timeout_ms, 1000))
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.config.control_socket).unlink()
+        if self._ctx is not None:
+            self._ctx.term()
+        log.info("event=shutdown_complete")
+
+
+def run(config: Config) -> int:
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is a dependency, but stay runnable without it
+        runner = asyncio.run
+    server = Server(config)
+    runner(server.serve())
+    return 0
