@@ -112,7 +112,7 @@ def _client_command(args: argparse.Namespace) -> int:
                 case "stats":
                     stats = conn.call(p.Stats)
                     if args.json:
-                        print(json.dumps(msgspec.to_builtins(stats), indent=2))
+                        print(json.dumps(_plain(stats), indent=2))
                     else:
                         print(_stats_table(stats))
                 case "pools":
@@ -126,6 +126,17 @@ def _client_command(args: argparse.Namespace) -> int:
         print(f"kvd: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plain(x: Any) -> Any:
+    """Structs as JSON objects (the wire encodes them as arrays), minus `req_id`."""
+    if isinstance(x, msgspec.Struct):
+        return {f: _plain(getattr(x, f)) for f in x.__struct_fields__ if f != "req_id"}
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
 
 
 def _pools_table(pools: list[Any]) -> str:

@@ -1,0 +1,41 @@
+"""Fixtures of the integration tests: a real daemon, real client processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.daemon_process import DaemonProcess
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess().start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def spawn() -> Iterator[list[subprocess.Popen[str]]]:
+    """Collects child processes and kills whatever is left at the end of the test."""
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def python_child(code: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -1,0 +1,103 @@
+"""Runs in the test process: a real kvd daemon in a temp runtime dir, started and cleaned up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import posix_ipc
+
+from kvd_client.connection import Connection
+from kvd_client.errors import KvdError
+
+DEFAULT_FLAGS = {
+    "lease-ms": "600",
+    "job-timeout-ms": "3000",
+    "max-total-bytes": "1GiB",
+    "default-pool-bytes": "16MiB",
+    "log-level": "debug",
+}
+
+
+class DaemonProcess:
+    def __init__(self, **flags: str) -> None:
+        # Short path: a Unix socket path must fit in 108 bytes.
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvd-t"))
+        self.flags = {**DEFAULT_FLAGS, **{k.replace("_", "-"): v for k, v in flags.items()}}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.runtime_dir.parent / f"{self.runtime_dir.name}.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.runtime_dir / 'control.sock'}"
+
+    @property
+    def lease_s(self) -> float:
+        return int(self.flags["lease-ms"]) / 1000
+
+    def start(self, wait: bool = True) -> DaemonProcess:
+        args = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
+        for key, value in self.flags.items():
+            args += [f"--{key}", value]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        """Returns once the daemon answers a Hello (a socket file alone may be stale)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+            conn = Connection(self.endpoint, role="admin", keeper=False, timeout_ms=200)
+            try:
+                conn.connect()
+                conn.close()
+                return
+            except KvdError:
+                time.sleep(0.02)
+        raise RuntimeError(f"kvd did not start within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except FileNotFoundError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=20)
+
+    def segments(self) -> list[str]:
+        try:
+            return (self.runtime_dir / "segments").read_text().split()
+        except FileNotFoundError:
+            return []
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for name in self.segments():  # a test that SIGKILLed the daemon leaves these
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if os.environ.get("KVD_KEEP_LOGS") is None:
+            self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,88 @@
+"""Runs in the test process: the `kvd` command line against a real daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.integration.daemon_process import DaemonProcess
+
+
+def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def test_version_and_help() -> None:
+    out = kvd("version")
+    assert out.returncode == 0 and out.stdout.startswith("kvd ")
+    out = kvd("--help")
+    assert out.returncode == 0
+    for command in ("serve", "stats", "ping", "pools", "pool", "bench", "version"):
+        assert command in out.stdout
+    out = kvd("serve", "--help")
+    for flag in ("--runtime-dir", "--lease-ms", "--job-timeout-ms", "--max-total-bytes",
+                 "--log-level", "--config"):
+        assert flag in out.stdout
+
+
+def test_bad_config_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = kvd("serve", "--runtime-dir", str(tmp_path), "--lease-ms", "-5")
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "lease_ms" in out.stderr
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text('policy = "fifo"\n')
+    out = kvd("serve", "--config", str(cfg))
+    assert out.returncode == 2 and "policy" in out.stderr and out.stderr.count("\n") == 1
+    cfg.write_text("lease_ms = 100\nnot_a_key = 1\n")
+    out = kvd("serve", "--config", str(cfg))
+    assert out.returncode == 2 and "not_a_key" in out.stderr
+    cfg.write_text("[[pools]]\nname = 'p'\nmodel = 'm'\ndtype = 'bf16'\nblock_tokens = 16\n"
+                   "world_size = 1\nslot_bytes = 0\ncapacity_bytes = '1MiB'\n")
+    out = kvd("serve", "--config", str(cfg))
+    assert out.returncode == 2 and "pools[0].slot_bytes" in out.stderr
+
+
+def test_client_commands(daemon: DaemonProcess) -> None:
+    rt = str(daemon.runtime_dir)
+    out = kvd("ping", "--runtime-dir", rt)
+    assert out.returncode == 0 and "ok" in out.stdout
+    from kvd_client import Layout, Scheduler
+
+    with Scheduler("cli", Layout("m", "bf16", 16, 1, False, 4096), engine_id="e",
+                   endpoint=daemon.endpoint, capacity_bytes=1 << 20) as s:
+        s.prepare_store([b"a", b"b"])
+        s.complete_store([b"a", b"b"])
+        out = kvd("pools", "--endpoint", daemon.endpoint)
+        assert out.returncode == 0 and "| cli |" in out.stdout
+        out = kvd("stats", "--runtime-dir", rt, "--json")
+        stats = json.loads(out.stdout)
+        (pool,) = stats["pools"]
+        assert pool["name"] == "cli" and pool["blocks_ready"] == 2
+        assert stats["counters"]["requests.PrepareStore"] == 1
+        assert kvd("stats", "--runtime-dir", rt).returncode == 0
+    out = kvd("pool", "drop", "cli", "--runtime-dir", rt)
+    assert out.returncode == 0
+    out = kvd("pool", "drop", "cli", "--runtime-dir", rt)
+    assert out.returncode == 1 and "NO_SUCH_POOL" in out.stderr
+
+
+def test_client_command_without_daemon(tmp_path: Path) -> None:
+    out = kvd("ping", "--runtime-dir", str(tmp_path), "--timeout-ms", "200")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_declared_pool_from_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvd.toml"
+    cfg.write_text("[[pools]]\nname = 'declared'\nmodel = 'm'\ndtype = 'bf16'\n"
+                   "block_tokens = 16\nworld_size = 2\nreplicated = true\nslot_bytes = 4096\n"
+                   "capacity_bytes = '1MiB'\npolicy = 'arc'\n")
+    d = DaemonProcess(config=str(cfg)).start()
+    try:
+        out = kvd("stats", "--runtime-dir", str(d.runtime_dir), "--json")
+        (pool,) = json.loads(out.stdout)["pools"]
+        assert (pool["name"], pool["policy"], pool["num_blocks"]) == ("declared", "arc", 256)
+    finally:
+        d.stop()
