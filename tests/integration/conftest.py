@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.daemon_process import DaemonProcess
+from kvd.launcher import DaemonProcess
 
 
 @pytest.fixture

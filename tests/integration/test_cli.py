@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.daemon_process import DaemonProcess
+from kvd.launcher import DaemonProcess
 
 
 def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

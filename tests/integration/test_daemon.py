@@ -14,7 +14,7 @@ from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client import protocol as p
 from tests.integration.conftest import python_child
-from tests.integration.daemon_process import DaemonProcess
+from kvd.launcher import DaemonProcess
 
 MHA_ARGS = ("demo-model@1", "bfloat16", 16, 2, False, 64 << 10)
 MHA = Layout(*MHA_ARGS)

@@ -9,7 +9,7 @@ import zmq
 
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
-from tests.integration.daemon_process import DaemonProcess
+from kvd.launcher import DaemonProcess
 
 LAYOUT = p.Layout("m", "bfloat16", 16, 1, False, 4096)
 

@@ -1,4 +1,9 @@
-"""Runs in the test process: a real kvd daemon in a temp runtime dir, started and cleaned up."""
+"""Runs in the operator's shell (bench, demo) and in tests: a kvd daemon as a child process.
+
+Starts `python -m kvd serve` in a fresh temp runtime dir, waits until it
+answers, and on `stop()` terminates it and removes every segment it listed,
+even after a SIGKILL.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,8 @@ import posix_ipc
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError
 
-DEFAULT_FLAGS = {
+# Short leases and timeouts so that tests see rollbacks quickly.
+TEST_FLAGS = {
     "lease-ms": "600",
     "job-timeout-ms": "3000",
     "max-total-bytes": "1GiB",
@@ -26,10 +32,11 @@ DEFAULT_FLAGS = {
 
 
 class DaemonProcess:
-    def __init__(self, **flags: str) -> None:
+    def __init__(self, base: dict[str, str] | None = None, **flags: str) -> None:
         # Short path: a Unix socket path must fit in 108 bytes.
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvd-t"))
-        self.flags = {**DEFAULT_FLAGS, **{k.replace("_", "-"): v for k, v in flags.items()}}
+        base = TEST_FLAGS if base is None else base
+        self.flags = {**base, **{k.replace("_", "-"): v for k, v in flags.items()}}
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.runtime_dir.parent / f"{self.runtime_dir.name}.log"
 
@@ -39,7 +46,7 @@ class DaemonProcess:
 
     @property
     def lease_s(self) -> float:
-        return int(self.flags["lease-ms"]) / 1000
+        return int(self.flags.get("lease-ms", "10000")) / 1000
 
     def start(self, wait: bool = True) -> DaemonProcess:
         args = [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(self.runtime_dir)]
@@ -84,6 +91,12 @@ class DaemonProcess:
             return (self.runtime_dir / "segments").read_text().split()
         except FileNotFoundError:
             return []
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
