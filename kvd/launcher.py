@@ -32,7 +32,10 @@ TEST_FLAGS = {
 
 
 class DaemonProcess:
-    def __init__(self, base: dict[str, str] | None = None, **flags: str) -> None:
+    def __init__(
+        self, base: dict[str, str] | None = None, env: dict[str, str] | None = None, **flags: str
+    ) -> None:
+        self.env = env
         # Short path: a Unix socket path must fit in 108 bytes.
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="kvd-t"))
         base = TEST_FLAGS if base is None else base
@@ -53,7 +56,8 @@ class DaemonProcess:
         for key, value in self.flags.items():
             args += [f"--{key}", value]
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, env=env)
         log.close()
         if wait:
             self.wait_ready()

@@ -64,9 +64,11 @@ class Manifest:
 
 
 def group_id(group: str) -> int | None:
-    """The gid of the service group, or None when no group is configured."""
+    """The gid of the service group (a name or a number), or None when none is configured."""
     if not group:
         return None
+    if group.isdigit():
+        return int(group)
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:

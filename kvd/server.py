@@ -21,6 +21,7 @@ from pathlib import Path
 import zmq
 
 from kvd.config import Config
+from kvd.notify import Notifier
 from kvd.pools import PoolRegistry
 from kvd.region import Manifest, group_id
 from kvd.service import Service
@@ -31,8 +32,9 @@ log = logging.getLogger("kvd.server")
 
 
 class Server:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
+        self.notifier = notifier or Notifier({})
         self.should_exit = asyncio.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._control: zmq.Socket[bytes] | None = None
@@ -119,6 +121,14 @@ class Server:
                 self._flush()
             self._drain()  # sends can swallow the edge of a new message
 
+    async def _watchdog(self) -> None:
+        # Pinged from the loop itself, so a wedged loop stops the pings.
+        if self.notifier.watchdog_s is None:
+            return
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_s)
+
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         self.startup()
@@ -126,7 +136,9 @@ class Server:
         fd = self._control.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)
         ticker = loop.create_task(self._ticker())
+        watchdog = loop.create_task(self._watchdog())
         self._drain()
+        self.notifier.ready(f"listening on {self.config.control_socket}")
         installed = []
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.should_exit.set)
@@ -135,6 +147,8 @@ class Server:
             await self.should_exit.wait()
             log.info("event=shutdown_started")
         finally:
+            self.notifier.stopping()
+            watchdog.cancel()
             for sig in installed:
                 loop.remove_signal_handler(sig)
             loop.remove_reader(fd)
@@ -169,6 +183,6 @@ def run(config: Config) -> int:
         runner = uvloop.run
     except ImportError:  # uvloop is a dependency, but stay runnable without it
         runner = asyncio.run
-    server = Server(config)
+    server = Server(config, Notifier(os.environ))
     runner(server.serve())
     return 0

@@ -42,3 +42,21 @@ def test_sizes() -> None:
     assert parse_size("64G") == 64 << 30
     with pytest.raises(ValueError):
         parse_size("12 parsecs")
+
+
+def test_deploy_example_is_valid_and_names_every_key() -> None:
+    import re
+    import tomllib
+
+    from kvd.config import Config
+
+    example = Path(__file__).parents[2] / "deploy" / "kvd.toml"
+    text = example.read_text()
+    cfg = load_config(example, {})
+    assert cfg.group == "kvd" and cfg.runtime_dir == "/run/kvd"
+    top = set(tomllib.loads(text))
+    assert top | {"pools"} == set(Config.__struct_fields__)
+    pool_keys = set(re.findall(r"^# (\w+) = ", text, re.MULTILINE))
+    from kvd.config import PoolConfig
+
+    assert set(PoolConfig.__struct_fields__) <= pool_keys
