@@ -1,2 +1,5 @@
 """Runs `kvd` as `python -m kvd`."""
-from kvd.cli import main; raise SystemExit(main())  # noqa: E702
+
+from kvd.cli import main
+
+raise SystemExit(main())

@@ -37,15 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
-    serve.add_argument("--config", type=Path, help="TOML file (default /etc/kvd/kvd.toml if present)")
+    serve.add_argument(
+        "--config", type=Path, help="TOML file (default /etc/kvd/kvd.toml if present)"
+    )
     for key in FLAG_KEYS:
         field_default = getattr(Config(), key)
-        serve.add_argument(f"--{key.replace('_', '-')}", dest=key, metavar="VALUE",
-                           help=f"config key {key} (default: {field_default!r})")
+        serve.add_argument(
+            f"--{key.replace('_', '-')}",
+            dest=key,
+            metavar="VALUE",
+            help=f"config key {key} (default: {field_default!r})",
+        )
 
-    for name, text in [("ping", "check that the daemon answers"),
-                       ("stats", "print the daemon's counters and pools"),
-                       ("pools", "list the pools")]:
+    for name, text in [
+        ("ping", "check that the daemon answers"),
+        ("stats", "print the daemon's counters and pools"),
+        ("pools", "list the pools"),
+    ]:
         p = sub.add_parser(name, help=text)
         _add_client_flags(p)
         if name == "stats":
@@ -107,8 +115,10 @@ def _client_command(args: argparse.Namespace) -> int:
                     conn.call(p.Heartbeat)
                     rtt = (time.perf_counter() - t0) * 1e6
                     w = conn.welcome
-                    print(f"kvd {w.daemon_version} at {conn.endpoint}: ok, "
-                          f"session {w.session_id}, rtt {rtt:.0f} us")
+                    print(
+                        f"kvd {w.daemon_version} at {conn.endpoint}: ok, "
+                        f"session {w.session_id}, rtt {rtt:.0f} us"
+                    )
                 case "stats":
                     stats = conn.call(p.Stats)
                     if args.json:
@@ -140,14 +150,17 @@ def _plain(x: Any) -> Any:
 
 
 def _pools_table(pools: list[Any]) -> str:
-    rows = ["| pool | model | world | repl | blocks | ready | in flight | pinned | free | GiB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| pool | model | world | repl | blocks | ready | in flight | pinned | free | GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for pi in pools:
         rows.append(
             f"| {pi.name} | {pi.layout.model} | {pi.layout.world_size} | "
             f"{'yes' if pi.layout.replicated else 'no'} | {pi.num_blocks} | {pi.blocks_ready} | "
             f"{pi.blocks_in_flight} | {pi.blocks_pinned} | {pi.blocks_free} | "
-            f"{pi.capacity_bytes / (1 << 30):.2f} |")
+            f"{pi.capacity_bytes / (1 << 30):.2f} |"
+        )
     return "\n".join(rows) if pools else "no pools"
 
 
@@ -181,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvd.bench.cli import run_bench
 
             return run_bench(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+        case _:
+            parser.error(f"unknown command {args.command!r}")
 
 
 if __name__ == "__main__":

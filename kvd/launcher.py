@@ -7,6 +7,7 @@ even after a SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -111,10 +112,8 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
         for name in self.segments():  # a test that SIGKILLed the daemon leaves these
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
         if os.environ.get("KVD_KEEP_LOGS") is None:
             self.log_path.unlink(missing_ok=True)

@@ -13,8 +13,10 @@ class KeyValueFormatter(logging.Formatter):
         msg = record.getMessage()
         if "event=" not in msg:
             msg = f"msg={msg!r}"
-        line = f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} " \
-               f"logger={record.name} {msg}"
+        line = (
+            f"ts={ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} "
+            f"logger={record.name} {msg}"
+        )
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
         return line

@@ -33,7 +33,8 @@ class Notifier:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
                 sock.sendto(state.encode(), self._addr)
         except OSError as exc:
-            log.warning("event=notify_failed state=%s reason=%r", state.split("\n")[0], exc)
+            first = state.split("\n", maxsplit=1)[0]
+            log.warning("event=notify_failed state=%s reason=%r", first, exc)
 
     def ready(self, status: str) -> None:
         self.send(f"READY=1\nSTATUS={status}")

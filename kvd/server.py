@@ -58,8 +58,15 @@ class Server:
         self.pools = PoolRegistry(cfg, manifest, gid)
         self.service = Service(cfg, self.pools)
         for pc in cfg.pools:
-            layout = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size, pc.replicated,
-                            pc.slot_bytes, pc.extra)
+            layout = Layout(
+                pc.model,
+                pc.dtype,
+                pc.block_tokens,
+                pc.world_size,
+                pc.replicated,
+                pc.slot_bytes,
+                pc.extra,
+            )
             self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
@@ -76,8 +83,13 @@ class Server:
         if gid is not None:
             os.chown(path, -1, gid)
         self._control = sock
-        log.info("event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
-                 path, len(self.pools), __version__, cfg.lease_ms)
+        log.info(
+            "event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
+            path,
+            len(self.pools),
+            __version__,
+            cfg.lease_ms,
+        )
 
     # -- main loop -------------------------------------------------------------
 
@@ -133,7 +145,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.startup()
         assert self._control is not None
-        fd = self._control.getsockopt(zmq.FD)
+        fd = int(self._control.getsockopt(zmq.FD))
         loop.add_reader(fd, self._drain)
         ticker = loop.create_task(self._ticker())
         watchdog = loop.create_task(self._watchdog())
@@ -177,12 +189,11 @@ class Server:
 
 
 def run(config: Config) -> int:
+    server = Server(config, Notifier(os.environ))
     try:
         import uvloop
-
-        runner = uvloop.run
     except ImportError:  # uvloop is a dependency, but stay runnable without it
-        runner = asyncio.run
-    server = Server(config, Notifier(os.environ))
-    runner(server.serve())
+        asyncio.run(server.serve())
+    else:
+        uvloop.run(server.serve())
     return 0

@@ -134,8 +134,9 @@ class Service:
         if isinstance(req, _POOL_VERBS):
             pool = self._pool_of(session)
             if session.role != "scheduler":
-                raise KvdError(f"a {session.role} may not send {type(req).__name__}",
-                               ErrorCode.WRONG_ROLE)
+                raise KvdError(
+                    f"a {session.role} may not send {type(req).__name__}", ErrorCode.WRONG_ROLE
+                )
             return self._pool_verb(session, pool, req, now)
         match req:
             case p.Attach():
@@ -157,8 +158,11 @@ class Service:
                 self._reset(req.pool)
                 return p.Ok(req.req_id)
             case p.CheckInvariants():
-                problems = [f"{pool.name}: {x}" for pool in self.pools
-                            for x in pool.index.check_invariants()]
+                problems = [
+                    f"{pool.name}: {x}"
+                    for pool in self.pools
+                    for x in pool.index.check_invariants()
+                ]
                 return p.InvariantsResult(req.req_id, problems)
             case p.Goodbye():
                 self._end_session(session)
@@ -222,24 +226,35 @@ class Service:
         if old is not None:
             self._end_session(old)
         if len(self.sessions) >= self.config.max_sessions:
-            raise KvdError(f"{len(self.sessions)} sessions open; the limit is "
-                           f"{self.config.max_sessions}", ErrorCode.TOO_LARGE)
-        s = self.sessions.open(identity, req.role, req.engine_id, req.rank, req.world_size,
-                               req.pid, now)
-        log.info("event=session_opened session=%d role=%s engine=%s rank=%d pid=%d",
-                 s.session_id, s.role, s.engine_id, s.rank, s.pid)
+            raise KvdError(
+                f"{len(self.sessions)} sessions open; the limit is {self.config.max_sessions}",
+                ErrorCode.TOO_LARGE,
+            )
+        s = self.sessions.open(
+            identity, req.role, req.engine_id, req.rank, req.world_size, req.pid, now
+        )
+        log.info(
+            "event=session_opened session=%d role=%s engine=%s rank=%d pid=%d",
+            s.session_id,
+            s.role,
+            s.engine_id,
+            s.rank,
+            s.pid,
+        )
         return p.Welcome(req.req_id, s.session_id, self.config.lease_ms, __version__)
 
     def _attach(self, s: Session, req: p.Attach) -> p.Reply:
-        if len(req.pool) > p.MAX_NAME_CHARS or not req.pool.replace("-", "").replace(
-            "_", ""
-        ).isalnum():
+        if (
+            len(req.pool) > p.MAX_NAME_CHARS
+            or not req.pool.replace("-", "").replace("_", "").isalnum()
+        ):
             raise BadRequest(f"pool name {req.pool[:64]!r} must be letters, digits, - and _")
         if s.pool is not None and s.pool != req.pool:
             raise BadRequest(f"this session is attached to pool {s.pool!r}; open another one")
         if s.role == "worker" and s.world_size != req.layout.world_size:
-            raise BadRequest(f"worker world_size {s.world_size} != layout world_size "
-                             f"{req.layout.world_size}")
+            raise BadRequest(
+                f"worker world_size {s.world_size} != layout world_size {req.layout.world_size}"
+            )
         pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
         if s.pool is None:
             pool.sessions += 1
@@ -247,8 +262,12 @@ class Service:
         if s.role == "worker":
             replaced = self.sessions.register_worker(s)
             if replaced is not None:
-                log.warning("event=worker_replaced engine=%s rank=%d old_session=%d",
-                            s.engine_id, s.rank, replaced.session_id)
+                log.warning(
+                    "event=worker_replaced engine=%s rank=%d old_session=%d",
+                    s.engine_id,
+                    s.rank,
+                    replaced.session_id,
+                )
                 self._end_session(replaced)
         return pool.attached(req.req_id)
 
@@ -257,8 +276,7 @@ class Service:
             raise KvdError("send Attach first", ErrorCode.NOT_ATTACHED)
         pool = self.pools.find(s.pool)
         if pool is None or pool.generation != s.generation:
-            raise KvdError(f"pool {s.pool!r} was dropped; attach again",
-                           ErrorCode.NO_SUCH_POOL)
+            raise KvdError(f"pool {s.pool!r} was dropped; attach again", ErrorCode.NO_SUCH_POOL)
         return pool
 
     def _end_session(self, s: Session) -> None:
@@ -270,8 +288,12 @@ class Service:
             pool.sessions -= 1
             stores, refs = pool.owned.release(s.session_id)
             if stores or refs:
-                log.info("event=session_rolled_back session=%d stores_failed=%d refs_dropped=%d",
-                         s.session_id, stores, refs)
+                log.info(
+                    "event=session_rolled_back session=%d stores_failed=%d refs_dropped=%d",
+                    s.session_id,
+                    stores,
+                    refs,
+                )
         if s.role == "worker":
             self._apply(self.jobs.rank_gone(s.engine_id, s.rank))
 
@@ -292,12 +314,21 @@ class Service:
         ranks = self.sessions.workers(pool.name, s.engine_id)
         missing = [r for r in range(pool.layout.world_size) if r not in ranks]
         if missing:
-            raise WorkersMissing(f"engine {s.engine_id!r} has no worker registered on pool "
-                                 f"{pool.name!r} for rank(s) {missing}")
+            raise WorkersMissing(
+                f"engine {s.engine_id!r} has no worker registered on pool "
+                f"{pool.name!r} for rank(s) {missing}"
+            )
         return ranks
 
-    def _store(self, s: Session, pool: Pool, req_id: int, keys: list[bytes],
-               device_ids: list[int], now: float) -> p.Reply:
+    def _store(
+        self,
+        s: Session,
+        pool: Pool,
+        req_id: int,
+        keys: list[bytes],
+        device_ids: list[int],
+        now: float,
+    ) -> p.Reply:
         check_keys(keys)
         check_device_ids(keys, device_ids)
         ranks = self._ranks(s, pool)
@@ -312,37 +343,69 @@ class Service:
         job_device_ids = [device_of[k] for k in out.keys_to_store]
         writers = frozenset({0}) if pool.layout.replicated else frozenset(ranks)
         job = self.jobs.create(
-            job_id=job_id, kind="store", pool=pool.name, generation=pool.generation,
-            session_id=s.session_id, engine_id=s.engine_id, keys=out.keys_to_store,
-            slots=out.store_spec.slots, device_block_ids=job_device_ids,
-            ranks=frozenset(ranks), writers=writers, now=now,
+            job_id=job_id,
+            kind="store",
+            pool=pool.name,
+            generation=pool.generation,
+            session_id=s.session_id,
+            engine_id=s.engine_id,
+            keys=out.keys_to_store,
+            slots=out.store_spec.slots,
+            device_block_ids=job_device_ids,
+            ranks=frozenset(ranks),
+            writers=writers,
+            now=now,
         )
         self._push(job.job_id, "store", pool, ranks, job_device_ids, job.slots, writers)
         self.counters["stores"] += 1
         return p.StoreTicket(req_id, True, job.job_id, out.keys_to_store, out.evicted_keys)
 
-    def _load(self, s: Session, pool: Pool, req_id: int, keys: list[bytes],
-              device_ids: list[int], now: float) -> p.Reply:
+    def _load(
+        self,
+        s: Session,
+        pool: Pool,
+        req_id: int,
+        keys: list[bytes],
+        device_ids: list[int],
+        now: float,
+    ) -> p.Reply:
         check_keys(keys)
         check_device_ids(keys, device_ids)
         ranks = self._ranks(s, pool)
         job_id = self.jobs.new_id()
         spec = pool.owned.prepare_load(("job", job_id), keys, account=s.session_id)
         job = self.jobs.create(
-            job_id=job_id, kind="load", pool=pool.name, generation=pool.generation,
-            session_id=s.session_id, engine_id=s.engine_id, keys=list(keys),
-            slots=spec.slots, device_block_ids=list(device_ids), ranks=frozenset(ranks),
-            writers=frozenset(ranks), now=now,
+            job_id=job_id,
+            kind="load",
+            pool=pool.name,
+            generation=pool.generation,
+            session_id=s.session_id,
+            engine_id=s.engine_id,
+            keys=list(keys),
+            slots=spec.slots,
+            device_block_ids=list(device_ids),
+            ranks=frozenset(ranks),
+            writers=frozenset(ranks),
+            now=now,
         )
         self._push(job.job_id, "load", pool, ranks, list(device_ids), spec.slots, job.writers)
         self.counters["loads"] += 1
         return p.LoadTicket(req_id, job.job_id)
 
-    def _push(self, job_id: int, kind: p.JobKind, pool: Pool, ranks: dict[int, Session],
-              device_ids: list[int], slots: list[int], writers: frozenset[int]) -> None:
+    def _push(
+        self,
+        job_id: int,
+        kind: p.JobKind,
+        pool: Pool,
+        ranks: dict[int, Session],
+        device_ids: list[int],
+        slots: list[int],
+        writers: frozenset[int],
+    ) -> None:
         for rank, worker in ranks.items():
-            msg = p.TransferJob(0, job_id, kind, pool.name, pool.generation, device_ids, slots,
-                                rank in writers)
+            msg = p.TransferJob(
+                0, job_id, kind, pool.name, pool.generation, device_ids, slots, rank in writers
+            )
             self.outbox.append((worker.identity, self._encode(msg)))
 
     def _job_done(self, s: Session, req: p.JobDone) -> p.Reply:
@@ -353,8 +416,7 @@ class Service:
         job = self.jobs.get(req.job_id)
         if job is not None and job.engine_id != s.engine_id:
             raise KvdError(f"job {req.job_id} belongs to another engine", ErrorCode.NOT_OWNER)
-        outcome = self.jobs.ack(req.job_id, req.rank, req.ok, req.nbytes, req.seconds,
-                                req.detail)
+        outcome = self.jobs.ack(req.job_id, req.rank, req.ok, req.nbytes, req.seconds, req.detail)
         if outcome is not None:
             self._apply([outcome])
             if req.ok:
@@ -369,8 +431,13 @@ class Service:
                     self.jobs.add_result(job.session_id, job.result())
                 if not job.ok:
                     self.counters[f"jobs_failed.{job.kind}"] += 1
-                    log.warning("event=job_failed job=%d kind=%s pool=%s reason=%r",
-                                job.job_id, job.kind, job.pool, job.failure)
+                    log.warning(
+                        "event=job_failed job=%d kind=%s pool=%s reason=%r",
+                        job.job_id,
+                        job.kind,
+                        job.pool,
+                        job.failure,
+                    )
             if not (o.settle and apply_index):
                 continue
             pool = self.pools.find(job.pool)

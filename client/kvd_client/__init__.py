@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvd_client.protocol import JobResult, Layout
     from kvd_client.scheduler import Scheduler
     from kvd_client.types import LoadStoreSpec, OffloadingEvent, PrepareStoreOutput, StoreTicket
+    from kvd_client.worker import Worker
 
 _LAZY = {
     "ErrorCode": "kvd_client.errors",
@@ -31,7 +32,18 @@ _LAZY = {
     "StoreTicket": "kvd_client.types",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "ErrorCode",
+    "JobResult",
+    "KvdError",
+    "Layout",
+    "LoadStoreSpec",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "Scheduler",
+    "StoreTicket",
+    "Worker",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ the keeper heartbeats at a third of the lease unless traffic already renewed it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -52,7 +53,7 @@ class Connection:
         self.welcome: p.Welcome | None = None
         self.pushed: deque[p.TransferJob] = deque()
         self.on_disconnect: Callable[[], None] | None = None
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._lock = threading.RLock()
         self._next_req = 1
@@ -72,8 +73,9 @@ class Connection:
         try:
             self.connect()
         except Unavailable as exc:
-            log.warning("kvd daemon unreachable at %s (%s); retrying in the background",
-                        self.endpoint, exc)
+            log.warning(
+                "kvd daemon unreachable at %s (%s); retrying in the background", self.endpoint, exc
+            )
         if self._use_keeper and self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvd-keeper", daemon=True)
             self._keeper.start()
@@ -87,8 +89,15 @@ class Connection:
             sock.connect(self.endpoint)
             self._sock = sock
             try:
-                reply = self.call(p.Hello, p.PROTOCOL_VERSION, self.role, self.engine_id,
-                                  self.rank, self.world_size, os.getpid())
+                reply = self.call(
+                    p.Hello,
+                    p.PROTOCOL_VERSION,
+                    self.role,
+                    self.engine_id,
+                    self.rank,
+                    self.world_size,
+                    os.getpid(),
+                )
                 assert isinstance(reply, p.Welcome)
                 self.welcome = reply
                 if self.on_connect is not None:
@@ -102,10 +111,9 @@ class Connection:
         self._closed.set()
         with self._lock:
             if self._sock is not None:
-                try:
+                # If this fails the daemon expires the lease instead.
+                with contextlib.suppress(KvdError):
                     self._request(p.Goodbye(self._take_id()), min(self.timeout_ms, 500))
-                except KvdError:
-                    pass  # the daemon will expire the lease instead
             self._drop()
         if self._keeper is not None and self._keeper is not threading.current_thread():
             self._keeper.join(timeout=2)
@@ -140,8 +148,9 @@ class Connection:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 self._drop()
-                raise Unavailable(f"no reply from the kvd daemon at {self.endpoint} "
-                                  f"within {timeout_ms} ms")
+                raise Unavailable(
+                    f"no reply from the kvd daemon at {self.endpoint} within {timeout_ms} ms"
+                )
             reply = p.reply_decoder.decode(sock.recv())
             if isinstance(reply, p.TransferJob):
                 self.pushed.append(reply)

@@ -3,9 +3,9 @@
 ZeroMQ DEALER (client) to ROUTER (daemon). Every frame is one msgpack message
 of a tagged, frozen msgspec Struct; `Request` and `Reply` are the two unions
 of the control channel. All messages are `array_like` (no field names on
-the wire; msgspec cannot mix encodings in one union). Each request carries a client-chosen `req_id` that its reply echoes, so
-a client may pipeline. Fields are only ever appended, with defaults.
-`TransferJob` is pushed by the daemon to workers with `req_id = 0`.
+the wire; msgspec cannot mix encodings in one union). Each request carries
+a client-chosen `req_id` that its reply echoes, so a client may pipeline.
+Fields are only ever appended, with defaults. `TransferJob` is pushed by the daemon to workers with `req_id = 0`.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ KeyLike = bytes | int
 
 def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
     """Block hashes as bytes; ints are sent as 8-byte big-endian (SPEC section 3)."""
-    return [k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
-            for k in keys]
+    return [
+        k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") for k in keys
+    ]
 
 
 class Scheduler:
@@ -68,8 +69,12 @@ class Scheduler:
         reply = conn.call(p.Attach, self.pool, self.layout, self.capacity_bytes)
         assert isinstance(reply, p.Attached)
         if self.attached is not None and reply.generation != self.attached.generation:
-            log.warning("kvd pool %s was re-created (generation %d -> %d); the cache is cold",
-                        self.pool, self.attached.generation, reply.generation)
+            log.warning(
+                "kvd pool %s was re-created (generation %d -> %d); the cache is cold",
+                self.pool,
+                self.attached.generation,
+                reply.generation,
+            )
         self.attached = reply
 
     def _lose_jobs(self) -> None:
@@ -126,8 +131,9 @@ class Scheduler:
         assert isinstance(reply, p.PrepareStoreResult)
         if not reply.fits:
             return None
-        return PrepareStoreOutput(reply.keys_to_store, LoadStoreSpec(reply.slots),
-                                  reply.evicted_keys)
+        return PrepareStoreOutput(
+            reply.keys_to_store, LoadStoreSpec(reply.slots), reply.evicted_keys
+        )
 
     def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> None:
         self._quiet(p.CompleteStore, as_keys(keys), success)

@@ -11,8 +11,13 @@ from kvd.launcher import DaemonProcess
 
 
 def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_version_and_help() -> None:
@@ -23,8 +28,14 @@ def test_version_and_help() -> None:
     for command in ("serve", "stats", "ping", "pools", "pool", "bench", "version"):
         assert command in out.stdout
     out = kvd("serve", "--help")
-    for flag in ("--runtime-dir", "--lease-ms", "--job-timeout-ms", "--max-total-bytes",
-                 "--log-level", "--config"):
+    for flag in (
+        "--runtime-dir",
+        "--lease-ms",
+        "--job-timeout-ms",
+        "--max-total-bytes",
+        "--log-level",
+        "--config",
+    ):
         assert flag in out.stdout
 
 
@@ -39,8 +50,10 @@ def test_bad_config_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg.write_text("lease_ms = 100\nnot_a_key = 1\n")
     out = kvd("serve", "--config", str(cfg))
     assert out.returncode == 2 and "not_a_key" in out.stderr
-    cfg.write_text("[[pools]]\nname = 'p'\nmodel = 'm'\ndtype = 'bf16'\nblock_tokens = 16\n"
-                   "world_size = 1\nslot_bytes = 0\ncapacity_bytes = '1MiB'\n")
+    cfg.write_text(
+        "[[pools]]\nname = 'p'\nmodel = 'm'\ndtype = 'bf16'\nblock_tokens = 16\n"
+        "world_size = 1\nslot_bytes = 0\ncapacity_bytes = '1MiB'\n"
+    )
     out = kvd("serve", "--config", str(cfg))
     assert out.returncode == 2 and "pools[0].slot_bytes" in out.stderr
 
@@ -51,8 +64,13 @@ def test_client_commands(daemon: DaemonProcess) -> None:
     assert out.returncode == 0 and "ok" in out.stdout
     from kvd_client import Layout, Scheduler
 
-    with Scheduler("cli", Layout("m", "bf16", 16, 1, False, 4096), engine_id="e",
-                   endpoint=daemon.endpoint, capacity_bytes=1 << 20) as s:
+    with Scheduler(
+        "cli",
+        Layout("m", "bf16", 16, 1, False, 4096),
+        engine_id="e",
+        endpoint=daemon.endpoint,
+        capacity_bytes=1 << 20,
+    ) as s:
         s.prepare_store([b"a", b"b"])
         s.complete_store([b"a", b"b"])
         out = kvd("pools", "--endpoint", daemon.endpoint)
@@ -76,9 +94,11 @@ def test_client_command_without_daemon(tmp_path: Path) -> None:
 
 def test_declared_pool_from_config(tmp_path: Path) -> None:
     cfg = tmp_path / "kvd.toml"
-    cfg.write_text("[[pools]]\nname = 'declared'\nmodel = 'm'\ndtype = 'bf16'\n"
-                   "block_tokens = 16\nworld_size = 2\nreplicated = true\nslot_bytes = 4096\n"
-                   "capacity_bytes = '1MiB'\npolicy = 'arc'\n")
+    cfg.write_text(
+        "[[pools]]\nname = 'declared'\nmodel = 'm'\ndtype = 'bf16'\n"
+        "block_tokens = 16\nworld_size = 2\nreplicated = true\nslot_bytes = 4096\n"
+        "capacity_bytes = '1MiB'\npolicy = 'arc'\n"
+    )
     d = DaemonProcess(config=str(cfg)).start()
     try:
         out = kvd("stats", "--runtime-dir", str(d.runtime_dir), "--json")

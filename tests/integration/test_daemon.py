@@ -9,12 +9,12 @@ import time
 import pytest
 import zmq
 
+from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
+from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
-from kvd_client import protocol as p
 from tests.integration.conftest import python_child
-from kvd.launcher import DaemonProcess
 
 MHA_ARGS = ("demo-model@1", "bfloat16", 16, 2, False, 64 << 10)
 MHA = Layout(*MHA_ARGS)
@@ -43,8 +43,10 @@ def pool_info(d: DaemonProcess, name: str) -> p.PoolInfo:
 
 def test_attach_geometry_sharded_vs_replicated(daemon: DaemonProcess) -> None:
     cap = 8 << 20
-    with Scheduler("mha", MHA, engine_id="e1", endpoint=daemon.endpoint, capacity_bytes=cap) as s1, \
-         Scheduler("mla", MLA, engine_id="e2", endpoint=daemon.endpoint, capacity_bytes=cap) as s2:
+    with (
+        Scheduler("mha", MHA, engine_id="e1", endpoint=daemon.endpoint, capacity_bytes=cap) as s1,
+        Scheduler("mla", MLA, engine_id="e2", endpoint=daemon.endpoint, capacity_bytes=cap) as s2,
+    ):
         a1, a2 = s1.attached, s2.attached
         assert a1 is not None and a2 is not None
         assert (a1.num_slots, a2.num_slots) == (2, 1)
@@ -172,8 +174,10 @@ def test_daemon_killed_and_restarted_client_recovers(daemon: DaemonProcess) -> N
 def test_not_owner_and_pin_cap(daemon: DaemonProcess) -> None:
     small = Layout("m", "bfloat16", 16, 1, False, 4096)
     cap = 16 * 4096  # 16 blocks, pin cap = half
-    with Scheduler("own", small, engine_id="a", endpoint=daemon.endpoint, capacity_bytes=cap) as a, \
-         Scheduler("own", small, engine_id="b", endpoint=daemon.endpoint) as b:
+    with (
+        Scheduler("own", small, engine_id="a", endpoint=daemon.endpoint, capacity_bytes=cap) as a,
+        Scheduler("own", small, engine_id="b", endpoint=daemon.endpoint) as b,
+    ):
         assert a.prepare_store(keys(12)) is not None
         with pytest.raises(KvdError) as err:
             b.complete_store(keys(1))

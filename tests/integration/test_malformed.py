@@ -7,9 +7,9 @@ import random
 import msgspec
 import zmq
 
+from kvd.launcher import DaemonProcess
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
-from kvd.launcher import DaemonProcess
 
 LAYOUT = p.Layout("m", "bfloat16", 16, 1, False, 4096)
 
@@ -60,8 +60,9 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
         return p.reply_decoder.decode(sock.recv())
 
     try:
-        assert isinstance(ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))),
-                          p.Welcome)
+        assert isinstance(
+            ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))), p.Welcome
+        )
         assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
         frames = _bad_frames(rng, 10_000)
         codes: dict[str, int] = {}

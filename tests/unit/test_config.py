@@ -26,9 +26,12 @@ def test_file_then_flags(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "key"),
-    [({"lease_ms": "0"}, "lease_ms"), ({"log_level": "loud"}, "log_level"),
-     ({"max_total_bytes": "lots"}, "max_total_bytes"), ({"pin_cap_fraction": "2"},
-                                                         "pin_cap_fraction")],
+    [
+        ({"lease_ms": "0"}, "lease_ms"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"max_total_bytes": "lots"}, "max_total_bytes"),
+        ({"pin_cap_fraction": "2"}, "pin_cap_fraction"),
+    ],
 )
 def test_bad_values_name_the_key(overrides: dict[str, str], key: str) -> None:
     with pytest.raises(ConfigError) as err:

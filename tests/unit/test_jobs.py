@@ -10,9 +10,18 @@ from kvd.jobs import Job, JobTable
 
 def make(table: JobTable, ranks: int = 2, now: float = 0.0, kind: str = "store") -> Job:
     return table.create(
-        job_id=table.new_id(), kind=kind, pool="p", generation=1, session_id=7,  # type: ignore[arg-type]
-        engine_id="e", keys=[b"a"], slots=[0], device_block_ids=[3],
-        ranks=frozenset(range(ranks)), writers=frozenset({0}), now=now,
+        job_id=table.new_id(),
+        kind=kind,
+        pool="p",
+        generation=1,
+        session_id=7,  # type: ignore[arg-type]
+        engine_id="e",
+        keys=[b"a"],
+        slots=[0],
+        device_block_ids=[3],
+        ranks=frozenset(range(ranks)),
+        writers=frozenset({0}),
+        now=now,
     )
 
 
