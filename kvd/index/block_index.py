@@ -158,7 +158,10 @@ class BlockIndex:
             slots.append(slot)
         self._num_not_ready += len(new_keys)
         if evicted:
-            self._events.append(OffloadingEvent(evicted, self.block_tokens, "CPU", removed=True))
+            # A copy: the caller owns `evicted_keys`, the pending event must not change with it.
+            self._events.append(
+                OffloadingEvent(list(evicted), self.block_tokens, "CPU", removed=True)
+            )
         return PrepareStoreOutput(new_keys, LoadStoreSpec(slots), evicted)
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
