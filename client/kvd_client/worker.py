@@ -1,0 +1,227 @@
+"""Runs in a TP worker process: maps the pool, receives transfer jobs, copies, acknowledges.
+
+    engine worker (rank r)                      kvd daemon
+      Worker(...)  -- Hello(worker), Attach -->  registers rank r of engine_id
+                   <-- TransferJob(job, ...) --  one per rank per Store/Load
+      backend copies device <-> slots of rank r
+                   -- JobDone(job, r, ok) ---->  completes the job when all ranks acked
+
+`poll()` launches the jobs that arrived and acknowledges the ones that
+finished; `wait(job_ids)` blocks until those jobs have arrived and finished.
+The engine passes the job ids of a step to its workers over its own per-step
+channel, so a worker never guesses which jobs belong to which step.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import posix_ipc
+
+from kvd_client import protocol as p
+from kvd_client.backends import CopyJob, CopyResult, TransferBackend, make_backend
+from kvd_client.connection import Connection
+from kvd_client.errors import BadRequest, KvdError, Unavailable
+from kvd_client.geometry import Geometry
+from kvd_client.paths import default_endpoint
+
+log = logging.getLogger("kvd_client")
+_REMEMBER_DONE = 65_536
+
+
+class Mapping:
+    """One mapped pool segment, owned by the worker (unmapped on close)."""
+
+    def __init__(self, attached: p.Attached, replicated: bool) -> None:
+        self.attached = attached
+        self.geometry = Geometry(
+            attached.num_blocks,
+            attached.row_bytes,
+            attached.slot_bytes,
+            attached.num_slots,
+            attached.slot_stride,
+            replicated,
+        )
+        shm = posix_ipc.SharedMemory(attached.shm_name)
+        try:
+            size = self.geometry.size_bytes
+            if shm.size < size:
+                raise BadRequest(
+                    f"segment {attached.shm_name} is {shm.size} bytes, expected {size}"
+                )
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(shm.fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            shm.close_fd()
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            # A tensor view still exports the buffer; the mapping goes with it.
+            log.warning("pool mapping still referenced; it is released with its views")
+
+
+class Worker:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        kv_caches: Any,
+        *,
+        pool: str,
+        layout: p.Layout,
+        engine_id: str,
+        endpoint: str | None = None,
+        device: str | None = None,
+        timeout_ms: int = 2000,
+    ) -> None:
+        if not 0 <= rank < world_size or world_size != layout.world_size:
+            raise BadRequest(
+                f"rank {rank} of world_size {world_size} does not fit layout "
+                f"world_size {layout.world_size}"
+            )
+        self.rank = rank
+        self.pool = pool
+        self.layout = layout
+        self.kv_caches = kv_caches
+        self.device = device
+        self._mapping: Mapping | None = None
+        self._backend: TransferBackend | None = None
+        self._submitted: set[int] = set()
+        self._done: OrderedDict[int, CopyResult] = OrderedDict()
+        self.bytes_copied = 0
+        self._conn = Connection(
+            endpoint or default_endpoint(),
+            role="worker",
+            engine_id=engine_id,
+            rank=rank,
+            world_size=world_size,
+            timeout_ms=timeout_ms,
+            on_connect=self._attach,
+        )
+        self._conn.start()
+
+    @property
+    def connected(self) -> bool:
+        return self._conn.connected
+
+    @property
+    def geometry(self) -> Geometry | None:
+        return self._mapping.geometry if self._mapping else None
+
+    def _attach(self, conn: Connection) -> None:
+        reply = conn.call(p.Attach, self.pool, self.layout, None)
+        assert isinstance(reply, p.Attached)
+        current = self._mapping.attached if self._mapping else None
+        if current is not None and (current.shm_name, current.generation) == (
+            reply.shm_name,
+            reply.generation,
+        ):
+            return
+        # First attach, or the daemon re-created the pool: map the new segment.
+        self._close_backend()
+        self._mapping = Mapping(reply, self.layout.replicated)
+        self._backend = make_backend(
+            self.device, self.kv_caches, self._mapping.mm, self._mapping.geometry, self.rank
+        )
+
+    # -- jobs ------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 0) -> list[int]:
+        """Launches jobs that arrived, acknowledges finished ones; returns their ids."""
+        self._conn.receive(timeout_ms)
+        self._launch()
+        return self._ack(self._backend.poll() if self._backend else [])
+
+    def wait(self, job_ids: Iterable[int], timeout_s: float = 60.0) -> dict[int, bool]:
+        """Blocks until every job in `job_ids` has arrived and finished; returns ok per job.
+
+        A job that does not arrive within `timeout_s` (the daemon failed it, or
+        the connection dropped) is reported as not ok.
+        """
+        wanted = set(job_ids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._launch()
+            if self._backend is not None:
+                running = [j for j in wanted if j in self._submitted]
+                if running:
+                    self._ack(self._backend.wait(running))
+            missing = wanted - self._done.keys()
+            if not missing:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._conn.receive(min(50, max(1, int(left * 1000))))
+        return {j: (self._done.pop(j).ok if j in self._done else False) for j in wanted}
+
+    def _launch(self) -> None:
+        pushed = self._conn.pushed
+        while pushed:
+            job = pushed.popleft()
+            mapping = self._mapping
+            if (
+                self._backend is None
+                or mapping is None
+                or job.generation != mapping.attached.generation
+            ):
+                self._finish(
+                    [
+                        CopyResult(
+                            job.job_id, False, 0, 0.0, "job for another generation of the pool"
+                        )
+                    ]
+                )
+                continue
+            self._submitted.add(job.job_id)
+            self._backend.submit(
+                CopyJob(job.job_id, job.kind, job.device_block_ids, job.pool_block_ids, job.writer)
+            )
+
+    def _ack(self, results: Sequence[CopyResult]) -> list[int]:
+        self._finish(results)
+        return [r.job_id for r in results]
+
+    def _finish(self, results: Sequence[CopyResult]) -> None:
+        for r in results:
+            self._submitted.discard(r.job_id)
+            self._done[r.job_id] = r
+            if len(self._done) > _REMEMBER_DONE:
+                self._done.popitem(last=False)
+            if r.ok:
+                self.bytes_copied += r.nbytes
+            try:
+                self._conn.call(
+                    p.JobDone, r.job_id, self.rank, r.ok, r.nbytes, r.seconds, r.error or ""
+                )
+            except Unavailable:
+                log.warning("could not acknowledge job %d: daemon unreachable", r.job_id)
+            except KvdError as exc:
+                log.warning("job %d acknowledgement refused: %s", r.job_id, exc)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def _close_backend(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def close(self) -> None:
+        self._conn.close()
+        self._close_backend()
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
