@@ -58,6 +58,7 @@ class Connection:
         self._lock = threading.RLock()
         self._next_req = 1
         self._last_sent = 0.0
+        self._rcvtimeo = -1
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._use_keeper = keeper
@@ -87,6 +88,7 @@ class Connection:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.connect(self.endpoint)
+            self._rcvtimeo = -1
             self._sock = sock
             try:
                 reply = self.call(
@@ -144,14 +146,20 @@ class Connection:
         sock.send(p.encoder.encode(msg))
         self._last_sent = time.monotonic()
         deadline = self._last_sent + timeout_ms / 1000
+        wait_ms = timeout_ms
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            # One blocking recv with a timeout: cheaper than poll() then recv().
+            if wait_ms != self._rcvtimeo:
+                self._rcvtimeo = wait_ms
+                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            try:
+                frame = sock.recv()
+            except zmq.Again:
                 self._drop()
                 raise Unavailable(
                     f"no reply from the kvd daemon at {self.endpoint} within {timeout_ms} ms"
-                )
-            reply = p.reply_decoder.decode(sock.recv())
+                ) from None
+            reply = p.reply_decoder.decode(frame)
             if isinstance(reply, p.TransferJob):
                 self.pushed.append(reply)
             elif reply.req_id == msg.req_id:
@@ -162,6 +170,7 @@ class Connection:
                     raise err
                 return reply
             # else: a reply to a request that already timed out; skip it
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
 
     def receive(self, timeout_ms: int) -> int:
         """Waits up to `timeout_ms` for pushed jobs; returns how many are queued."""

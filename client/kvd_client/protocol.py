@@ -10,7 +10,7 @@ Fields are only ever appended, with defaults. `TransferJob` is pushed by the dae
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -20,6 +20,12 @@ MAX_KEYS_PER_REQUEST = 65_536
 MAX_KEY_BYTES = 64
 MAX_NAME_CHARS = 128
 
+# Bounds are part of the schema, so msgspec checks them while decoding (in C)
+# and a violation becomes a BAD_REQUEST naming the field.
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+DeviceBlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
+DeviceBlockIds = Annotated[list[DeviceBlockId], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Role = Literal["scheduler", "worker", "admin"]
 JobKind = Literal["store", "load"]
 
@@ -61,38 +67,38 @@ class Attach(_Msg, frozen=True):
 
 
 class Lookup(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class PrepareLoad(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class Touch(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class CompleteLoad(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class PrepareStore(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
 
 
 class CompleteStore(_Msg, frozen=True):
-    keys: list[bytes]
+    keys: Keys
     success: bool = True
 
 
 class Store(_Msg, frozen=True):
-    keys: list[bytes]
-    device_block_ids: list[int]
+    keys: Keys
+    device_block_ids: DeviceBlockIds
 
 
 class Load(_Msg, frozen=True):
-    keys: list[bytes]
-    device_block_ids: list[int]
+    keys: Keys
+    device_block_ids: DeviceBlockIds
 
 
 class Finished(_Msg, frozen=True):

@@ -28,7 +28,13 @@ KeyLike = bytes | int
 
 
 def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
-    """Block hashes as bytes; ints are sent as 8-byte big-endian (SPEC section 3)."""
+    """Block hashes as bytes; ints are sent as 8-byte big-endian (SPEC section 3).
+
+    A list that starts with bytes is sent as it is (the hot path); the daemon's
+    schema rejects a wrong element with BAD_REQUEST.
+    """
+    if type(keys) is list and keys and type(keys[0]) is bytes:
+        return keys  # type: ignore[return-value]
     return [
         k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") for k in keys
     ]

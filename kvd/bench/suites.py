@@ -105,6 +105,33 @@ def _trace_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _rpc_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--clients",
+        type=positive_ints,
+        default=[1, 4, 8],
+        metavar="N,...",
+        help="client process counts (default: 1,4,8)",
+    )
+    p.add_argument(
+        "--ops",
+        type=positive_int,
+        default=5000,
+        metavar="N",
+        help="lookups per client and per server (default: 5000)",
+    )
+
+
+def _mla_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--world-sizes",
+        type=positive_ints,
+        default=[2, 4],
+        metavar="N,...",
+        help="TP sizes (default: 2,4)",
+    )
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd.bench.index",
@@ -115,5 +142,15 @@ SUITES: dict[str, Suite] = {
         "kvd.bench.trace",
         "hit rate of each policy and of Belady's optimum replaying a request trace",
         _trace_arguments,
+    ),
+    "rpc": Suite(
+        "kvd.bench.rpc",
+        "lookup of 64 keys: p50/p99 and ops/s at 1, 4, 8 clients, against a bare pyzmq echo",
+        _rpc_arguments,
+    ),
+    "mla": Suite(
+        "kvd.bench.mla",
+        "host and device-to-host bytes per block, replicated vs sharded, at TP=N",
+        _mla_arguments,
     ),
 }
