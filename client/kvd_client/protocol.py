@@ -5,7 +5,8 @@ of a tagged, frozen msgspec Struct; `Request` and `Reply` are the two unions
 of the control channel. All messages are `array_like` (no field names on
 the wire; msgspec cannot mix encodings in one union). Each request carries
 a client-chosen `req_id` that its reply echoes, so a client may pipeline.
-Fields are only ever appended, with defaults. `TransferJob` is pushed by the daemon to workers with `req_id = 0`.
+Fields are only ever appended, with defaults. `TransferJob` is pushed by
+the daemon to workers with `req_id = 0`.
 """
 
 from __future__ import annotations
