@@ -61,6 +61,14 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_sessions: Positive = 4096
     prefault: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # KV events in vLLM's wire format. "" = ipc://<runtime_dir>/events.sock
+    # (replay.sock); "none" disables; tcp://host:port binds TCP as well.
+    events_endpoint: str = ""
+    replay_endpoint: str = ""
+    events_topic: str = "kv@{hostname}@{pool}"
+    events_int_hashes: bool = True  # 8-byte keys published as the ints engines sent
+    events_buffer: NonNegative = 10_000  # batches kept for replay
+    metrics_addr: str = "127.0.0.1:9464"  # Prometheus /metrics; "none" disables
     pools: list[PoolConfig] = []
 
     @property
@@ -131,8 +139,21 @@ def load_config(
     except msgspec.ValidationError as exc:
         raise ConfigError(f"bad config value: {_readable(str(exc))}") from None
     changes: dict[str, Any] = {}
+    runtime = config.runtime_dir or str(default_runtime_dir(env))
     if not config.runtime_dir:
-        changes["runtime_dir"] = str(default_runtime_dir(env))
+        changes["runtime_dir"] = runtime
+    for key, sock in (("events_endpoint", "events.sock"), ("replay_endpoint", "replay.sock")):
+        value = getattr(config, key)
+        if not value:
+            changes[key] = f"ipc://{Path(runtime) / sock}"
+        elif value == "none":
+            changes[key] = ""
+        elif not value.startswith(("ipc://", "tcp://")):
+            raise ConfigError(f"bad config value: {key}: {value!r} is not ipc://... or tcp://...")
+    if config.metrics_addr == "none":
+        changes["metrics_addr"] = ""
+    if "{pool}" not in config.events_topic:
+        raise ConfigError("bad config value: events_topic: must contain {pool}")
     if config.max_total_bytes == 0:
         changes["max_total_bytes"] = _physical_ram() // 4
     names = [p.name for p in config.pools]

@@ -29,6 +29,7 @@ TEST_FLAGS = {
     "max-total-bytes": "1GiB",
     "default-pool-bytes": "16MiB",
     "log-level": "debug",
+    "metrics-addr": "none",  # tests run many daemons; one port would clash
 }
 
 

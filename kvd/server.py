@@ -21,6 +21,8 @@ from pathlib import Path
 import zmq
 
 from kvd.config import Config
+from kvd.events import EventPublisher
+from kvd.metrics import Metrics
 from kvd.notify import Notifier
 from kvd.pools import PoolRegistry
 from kvd.region import Manifest, group_id
@@ -40,6 +42,8 @@ class Server:
         self._control: zmq.Socket[bytes] | None = None
         self.pools: PoolRegistry | None = None
         self.service: Service | None = None
+        self.publisher: EventPublisher | None = None
+        self.metrics = Metrics()
 
     # -- startup ---------------------------------------------------------------
 
@@ -69,6 +73,21 @@ class Server:
             )
             self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
         self._ctx = zmq.Context()
+        self.publisher = EventPublisher(
+            self._ctx,
+            cfg.events_endpoint,
+            cfg.replay_endpoint,
+            buffer_size=cfg.events_buffer,
+            topic_format=cfg.events_topic,
+            gid=gid,
+            int_block_hashes=cfg.events_int_hashes,
+        )
+        for pool in self.pools:  # every pool is announced cleared at start
+            self.publisher.all_cleared(pool.name)
+        self.publisher.flush(time.time())
+        if cfg.metrics_addr:
+            port = self.metrics.start_http(cfg.metrics_addr)
+            log.info("event=metrics_listening addr=%s port=%d", cfg.metrics_addr, port)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -97,6 +116,7 @@ class Server:
         sock, service = self._control, self.service
         assert sock is not None and service is not None
         outbox = service.outbox
+        observe = self.metrics.observe_rpc
         for _ in range(10_000):  # bounded, so timers still get their turn
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -109,8 +129,29 @@ class Server:
                 service.handle(frames[0], b"\xc1", now)  # never-valid msgpack -> BAD_REQUEST
             if outbox:
                 self._flush()
+            observe(service.last_type.__name__, time.monotonic() - now)
         else:
             asyncio.get_running_loop().call_soon(self._drain)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Sends the index events of this loop turn: one batch per pool."""
+        service, publisher = self.service, self.publisher
+        assert service is not None and publisher is not None
+        service.collect_events()
+        if service.event_outbox:
+            for pool, events in service.event_outbox:
+                if events is None:
+                    publisher.all_cleared(pool)
+                else:
+                    publisher.add(pool, events)
+            service.event_outbox.clear()
+            publisher.flush(time.time())
+
+    def _replay(self) -> None:
+        assert self.publisher is not None
+        if self.publisher.handle_replay():
+            asyncio.get_running_loop().call_soon(self._replay)
 
     def _flush(self) -> None:
         sock, service = self._control, self.service
@@ -131,6 +172,8 @@ class Server:
             service.tick(time.monotonic())
             if service.outbox:
                 self._flush()
+            self._publish()
+            self.metrics.update(service.stats())
             self._drain()  # sends can swallow the edge of a new message
 
     async def _watchdog(self) -> None:
@@ -147,6 +190,11 @@ class Server:
         assert self._control is not None
         fd = int(self._control.getsockopt(zmq.FD))
         loop.add_reader(fd, self._drain)
+        assert self.publisher is not None
+        replay_fd = self.publisher.replay_fd
+        if replay_fd is not None:
+            loop.add_reader(replay_fd, self._replay)
+            self._replay()
         ticker = loop.create_task(self._ticker())
         watchdog = loop.create_task(self._watchdog())
         self._drain()
@@ -164,6 +212,8 @@ class Server:
             for sig in installed:
                 loop.remove_signal_handler(sig)
             loop.remove_reader(fd)
+            if replay_fd is not None:
+                loop.remove_reader(replay_fd)
             ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ticker
@@ -177,8 +227,15 @@ class Server:
             self.service.shutdown()
         if self._control is not None and self.service is not None:
             self._flush()
-        if self.pools is not None:
+        if self.pools is not None and self.service is not None:
+            for pool in self.pools:
+                self.service.event_outbox.append((pool.name, None))
+            if self.publisher is not None:
+                self._publish()
             self.pools.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self.metrics.close()
         if self._control is not None:
             self._control.close(linger=min(self.config.shutdown_timeout_ms, 1000))
             with contextlib.suppress(FileNotFoundError):

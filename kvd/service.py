@@ -16,6 +16,7 @@ import msgspec
 
 from kvd.config import Config
 from kvd.errors import BadRequest, KvdError, WorkersMissing
+from kvd.index import OffloadingEvent
 from kvd.jobs import JobTable, Outcome
 from kvd.pools import Pool, PoolRegistry
 from kvd.sessions import Session, SessionTable
@@ -62,6 +63,9 @@ class Service:
         self.counters: Counter[str] = Counter()
         self.requests: Counter[type] = Counter()  # by type: no string work per request
         self.outbox: list[tuple[bytes, bytes]] = []
+        # (pool, events) for the publisher; events None = all blocks cleared.
+        self.event_outbox: list[tuple[str, list[OffloadingEvent] | None]] = []
+        self.last_type: type = p.Error  # type of the request handled last (metrics)
         self.started = time.monotonic()
         self._encode = p.encoder.encode
 
@@ -103,9 +107,17 @@ class Service:
             )
             self._end_session(session)
         self._apply(self.jobs.expire(now))
+
+    def collect_events(self) -> None:
+        """Moves the pools' index events to `event_outbox` (the server publishes them)."""
         for pool in self.pools:
-            for event in pool.index.take_events():
-                self.counters["evictions" if event.removed else "blocks_stored"] += len(event.keys)
+            events = pool.index.take_events()
+            if events:
+                for event in events:
+                    self.counters["evictions" if event.removed else "blocks_stored"] += len(
+                        event.keys
+                    )
+                self.event_outbox.append((pool.name, events))
 
     def shutdown(self) -> None:
         """Fails every job (settling it) before the pools are unlinked."""
@@ -115,6 +127,7 @@ class Service:
 
     def _dispatch(self, identity: bytes, req: p.Request, now: float) -> p.Reply | None:
         self.requests[type(req)] += 1
+        self.last_type = type(req)
         if isinstance(req, p.Hello):
             return self._hello(identity, req, now)
         session = self.sessions.by_identity(identity)
@@ -227,6 +240,9 @@ class Service:
         )
         return p.Welcome(req.req_id, s.session_id, self.config.lease_ms, __version__)
 
+    def stats(self) -> p.StatsResult:
+        return self._stats(p.Stats(0))
+
     def _attach(self, s: Session, req: p.Attach) -> p.Reply:
         if (
             len(req.pool) > p.MAX_NAME_CHARS
@@ -239,7 +255,10 @@ class Service:
             raise BadRequest(
                 f"worker world_size {s.world_size} != layout world_size {req.layout.world_size}"
             )
+        created = self.pools.find(req.pool) is None
         pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
+        if created:  # consumers start this pool's topic from a clean slate
+            self.event_outbox.append((pool.name, None))
         if s.pool is None:
             pool.sessions += 1
         s.pool, s.generation = pool.name, pool.generation
@@ -284,12 +303,16 @@ class Service:
     def _drop(self, name: str) -> None:
         self.pools.get(name)
         self._apply(self.jobs.fail_all(f"pool {name} dropped", pool=name), apply_index=False)
+        self.collect_events()
         self.pools.drop(name)
+        self.event_outbox.append((name, None))
 
     def _reset(self, name: str) -> None:
         pool = self.pools.get(name)
         self._apply(self.jobs.fail_all(f"pool {name} reset", pool=name), apply_index=False)
+        self.collect_events()
         pool.owned.reset()
+        self.event_outbox.append((name, None))
         log.info("event=pool_reset pool=%s", name)
 
     # -- transfer jobs ---------------------------------------------------------
@@ -432,7 +455,7 @@ class Service:
 
     # -- stats -----------------------------------------------------------------
 
-    def _stats(self, req: p.Stats) -> p.Reply:
+    def _stats(self, req: p.Stats) -> p.StatsResult:
         return p.StatsResult(
             req.req_id,
             daemon_version=__version__,

@@ -1,0 +1,248 @@
+"""Runs in the daemon: Prometheus metrics, served over HTTP from a thread (SPEC section 8).
+
+Two writers feed one collector on the loop thread; the HTTP thread reads it:
+
+- `update(stats)` swaps in the latest `StatsResult` (one reference
+  assignment), so a scrape reads one consistent snapshot of the counters;
+- `observe_rpc` counts request latencies into plain lists: the loop thread is
+  the only writer, and a scrape copies each row in one step under the GIL.
+  Cheaper than `prometheus_client.Histogram`, whose observe takes a lock.
+
+The registry is this object's own, never the process-global one.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from kvd.version import __version__
+from kvd_client.errors import ErrorCode
+from kvd_client.protocol import StatsResult
+
+# 10 us to 1 s: a lookup answers in tens of microseconds, a stuck loop in seconds.
+RPC_BUCKETS = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
+# repr() spells these small floats as Prometheus does ("1e-05", "0.0001", "1.0").
+_LE = [repr(b) for b in RPC_BUCKETS] + ["+Inf"]
+# Request types are class names, a closed set; the cap guards the label
+# against a caller that passes something unbounded.
+_MAX_RPC_TYPES = 64
+_OTHER = "other"
+
+# (metric, help, key in StatsResult.counters), all daemon-wide.
+_COUNTERS = (
+    ("kvd_lookups", "Lookup requests.", "lookups"),
+    ("kvd_lookup_keys", "Keys asked for by lookups.", "lookup_keys"),
+    ("kvd_hit_blocks", "Leading blocks found ready by lookups.", "hit_blocks"),
+    ("kvd_stores", "Store transfer jobs started.", "stores"),
+    ("kvd_stores_rejected", "Store requests refused because nothing fit.", "stores_rejected"),
+    ("kvd_loads", "Load transfer jobs started.", "loads"),
+    ("kvd_blocks_stored", "Blocks that became ready.", "blocks_stored"),
+    ("kvd_evictions", "Blocks evicted to make room.", "evictions"),
+)
+_STATES = ("ready", "in_flight", "pinned", "free")
+_JOB_KINDS = ("store", "load")
+
+
+class Metrics(Collector):
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._stats: StatsResult | None = None
+        # Per request type: non-cumulative bucket counts, then the sum of seconds.
+        self._rows: dict[str, list[float]] = {}
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.registry.register(self)
+
+    # -- writers (loop thread) ---------------------------------------------------
+
+    def observe_rpc(self, request_type: str, seconds: float) -> None:
+        row = self._rows.get(request_type)
+        if row is None:
+            row = self._new_row(request_type)
+        row[bisect_left(RPC_BUCKETS, seconds)] += 1
+        row[-1] += seconds
+
+    def _new_row(self, request_type: str) -> list[float]:
+        if len(self._rows) >= _MAX_RPC_TYPES:
+            request_type = _OTHER
+        row = self._rows.get(request_type)
+        if row is None:
+            row = [0.0] * (len(RPC_BUCKETS) + 2)
+            self._rows[request_type] = row
+        return row
+
+    def update(self, stats: StatsResult) -> None:
+        """Publishes a snapshot for the next scrape; the caller must not mutate it after."""
+        self._stats = stats
+
+    # -- reader (HTTP thread) ----------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("kvd_build_info", "kvd version.", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        yield self._rpc_histogram()
+        stats = self._stats
+        if stats is not None:
+            yield from self._from_stats(stats)
+
+    def _rpc_histogram(self) -> HistogramMetricFamily:
+        h = HistogramMetricFamily(
+            "kvd_rpc_duration_seconds",
+            "Time to handle one control request, by request type.",
+            labels=["type"],
+        )
+        for rtype, shared in list(self._rows.items()):
+            row = list(shared)  # one copy: buckets and sum from the same instant
+            cumulative, buckets = 0.0, []
+            for le, n in zip(_LE, row[:-1], strict=True):
+                cumulative += n
+                buckets.append((le, cumulative))
+            h.add_metric([rtype], buckets, row[-1])
+        return h
+
+    def _from_stats(self, s: StatsResult) -> Iterator[Metric]:
+        c = s.counters
+        for name, text, key in _COUNTERS:
+            yield CounterMetricFamily(name, text, value=c.get(key, 0))
+        moved = CounterMetricFamily(
+            "kvd_transfer_bytes",
+            "Bytes copied by acknowledged transfer jobs, by direction.",
+            labels=["direction"],
+        )
+        moved.add_metric(["store"], c.get("bytes_stored", 0))
+        moved.add_metric(["load"], c.get("bytes_loaded", 0))
+        yield moved
+        yield self._by_prefix(
+            c, "requests.", "kvd_requests", "Control requests, by type.", "type", ()
+        )
+        yield self._by_prefix(
+            c, "errors.", "kvd_errors", "Error replies, by code.", "code", tuple(ErrorCode)
+        )
+        yield self._by_prefix(
+            c,
+            "jobs_failed.",
+            "kvd_jobs_failed",
+            "Failed transfer jobs, by kind.",
+            "kind",
+            _JOB_KINDS,
+        )
+        yield CounterMetricFamily(
+            "kvd_lease_expirations", "Sessions rolled back at lease expiry.", s.lease_expirations
+        )
+        yield GaugeMetricFamily("kvd_sessions", "Open sessions, all roles.", s.sessions)
+        yield GaugeMetricFamily(
+            "kvd_jobs_in_flight", "Transfer jobs not yet settled.", s.jobs_in_flight
+        )
+        yield GaugeMetricFamily("kvd_pools", "Pools.", len(s.pools))
+        yield GaugeMetricFamily("kvd_used_bytes", "Bytes of all pools together.", s.used_bytes)
+        yield GaugeMetricFamily(
+            "kvd_max_total_bytes", "Upper bound on all pools together.", s.max_total_bytes
+        )
+        yield GaugeMetricFamily(
+            "kvd_uptime_seconds", "Seconds since the daemon started.", s.uptime_s
+        )
+        blocks = GaugeMetricFamily(
+            "kvd_pool_blocks",
+            "Blocks by pool and state (pinned blocks are also ready).",
+            labels=["pool", "state"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvd_pool_capacity_bytes", "Bytes of the pool's segment.", labels=["pool"]
+        )
+        num_blocks = GaugeMetricFamily(
+            "kvd_pool_capacity_blocks", "Blocks the pool holds.", labels=["pool"]
+        )
+        sessions = GaugeMetricFamily(
+            "kvd_pool_sessions", "Sessions attached to the pool.", labels=["pool"]
+        )
+        for p in s.pools:
+            counts = (p.blocks_ready, p.blocks_in_flight, p.blocks_pinned, p.blocks_free)
+            for state, n in zip(_STATES, counts, strict=True):
+                blocks.add_metric([p.name, state], n)
+            capacity.add_metric([p.name], p.capacity_bytes)
+            num_blocks.add_metric([p.name], p.num_blocks)
+            sessions.add_metric([p.name], p.sessions)
+        yield from (blocks, capacity, num_blocks, sessions)
+
+    @staticmethod
+    def _by_prefix(
+        counters: dict[str, int],
+        prefix: str,
+        name: str,
+        text: str,
+        label: str,
+        known: tuple[str, ...],
+    ) -> CounterMetricFamily:
+        # Known label values start at 0, so rate() sees the first increment.
+        values = dict.fromkeys(known, 0)
+        for key, n in counters.items():
+            if key.startswith(prefix):
+                values[key[len(prefix) :]] = n
+        family = CounterMetricFamily(name, text, labels=[label])
+        for value, n in sorted(values.items()):
+            family.add_metric([value], n)
+        return family
+
+    # -- HTTP ----------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, as a scrape would get it."""
+        return generate_latest(self.registry)
+
+    def start_http(self, addr: str) -> int:
+        """Serves /metrics on "host:port" ("[::1]:9464" for IPv6; port 0 picks a
+        free one) from a daemon thread; returns the bound port."""
+        if self._server is not None:
+            raise RuntimeError("the metrics server is already running")
+        host, sep, port_text = addr.rpartition(":")
+        if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+            raise ValueError(f"metrics address {addr!r} is not host:port")
+        server, thread = start_http_server(int(port_text), host.strip("[]"), registry=self.registry)
+        self._server, self._thread = server, thread
+        return int(server.server_port)
+
+    def close(self) -> None:
+        """Stops the HTTP server, if started; idempotent."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Metrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
