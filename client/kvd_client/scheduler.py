@@ -34,7 +34,7 @@ def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
     schema rejects a wrong element with BAD_REQUEST.
     """
     if type(keys) is list and keys and type(keys[0]) is bytes:
-        return keys  # type: ignore[return-value]
+        return keys
     return [
         k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") for k in keys
     ]
