@@ -3,14 +3,23 @@
 No sockets, files, clocks or threads: every method is a pure state transition,
 so the daemon, the benchmarks and the property tests drive the same object.
 
-Per-block state lives in flat arrays indexed by slot id, so a block costs one
-dict entry here plus its entry in the policy:
+Per-block state lives in flat arrays indexed by slot id, and the policy
+orders slot ids in arrays of its own, so the one per-key structure is the
+key -> slot dict:
 
-    _slot_of   {key -> slot}
-    _key_at    [slot] -> key | None
-    _ready     [slot] -> 0 (being stored) | 1 (loadable)
-    _refs      [slot] -> number of load references (pins)
-    free slots = [_next_fresh, num_blocks) fresh ids, then _free (a LIFO stack)
+    _slot_of   {key -> slot}                                 dict
+    _key_at    [slot] -> key | None                          list
+    _ready     [slot] -> 0 (being stored) | 1 (loadable)     bytearray
+    _refs      [slot] -> number of load references (pins)    array('i')
+    free slots = [_next_fresh, num_blocks) fresh ids, then _free (array('i'),
+                 a LIFO stack of freed ids)
+
+At 1,000,000 blocks a block costs (tracemalloc, `kvd bench index`): its key
+object 41 bytes, its `_slot_of` entry 42 right after a fill and 84 once
+churn has made the dict regrow (CPython sizes it to 3x its live entries,
+rounded up to a power of two), its slot int 28, `_key_at` 8, `_ready` and
+`_refs` 5; plus the policy: 9 for LRU, 68 for ARC (resident lists,
+fingerprints, room for 2c ghosts).
 
 Every method validates its whole batch before it mutates anything, so misuse
 raises a `KvdError` and leaves the index exactly as it was.
@@ -41,7 +50,7 @@ class BlockIndex:
         self._key_at: list[Key | None] = [None] * num_blocks
         self._ready = bytearray(num_blocks)
         self._refs = array("i", bytes(4 * num_blocks))
-        self._free: list[int] = []
+        self._free = array("i")
         self._next_fresh = 0
         self._num_not_ready = 0
         self._num_pinned = 0
@@ -50,11 +59,10 @@ class BlockIndex:
 
     # -- policy callbacks (read-only) -------------------------------------
 
-    def _is_ready(self, key: Key) -> bool:
-        return self._ready[self._slot_of[key]] == 1
+    def _is_ready(self, slot: int) -> bool:
+        return self._ready[slot] == 1
 
-    def _is_evictable(self, key: Key) -> bool:
-        slot = self._slot_of[key]
+    def _is_evictable(self, slot: int) -> bool:
         return self._ready[slot] == 1 and self._refs[slot] == 0
 
     # -- the verbs ----------------------------------------------------------
@@ -93,10 +101,8 @@ class BlockIndex:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Marks keys recently used; reversed, so the first (prefix) key ends most recent."""
-        slot_of = self._slot_of
-        for key in reversed(keys):
-            if key in slot_of:
-                self.policy.touch(key)
+        slots = map(self._slot_of.get, reversed(keys))
+        self.policy.touch([slot for slot in slots if slot is not None])
 
     def complete_load(self, keys: Sequence[Key]) -> None:
         """Drops one load reference per key (a key listed twice drops two).
@@ -131,31 +137,46 @@ class BlockIndex:
         nothing. New keys are inserted not ready, on fresh slot ids in
         ascending order first, then on freed ids last-in-first-out.
         """
-        slot_of = self._slot_of
-        new_keys: list[Key] = []
-        seen: set[Key] = set()
-        for key in keys:
-            if key not in slot_of and key not in seen:
-                seen.add(key)
-                new_keys.append(key)
-        need = len(new_keys) - self.num_free
+        slot_of, key_at, free = self._slot_of, self._key_at, self._free
+        unique = dict.fromkeys(keys)
+        new_keys = [key for key in unique if key not in slot_of]
         if len(new_keys) > self.num_blocks:
             return None
+        need = len(new_keys) - self.num_free
         evicted: list[Key] = []
         if need > 0:
-            victims = self.policy.evict(need, frozenset(keys))
+            # The present keys of the call are protected; all-new keys need no set.
+            protected = (
+                {slot_of[key] for key in unique if key in slot_of}
+                if len(new_keys) < len(unique)
+                else ()
+            )
+            victims = self.policy.evict(need, protected)
             if victims is None:
                 return None
-            evicted = victims
-            for key in victims:
-                self._release_slot(slot_of.pop(key))
+            ready = self._ready
+            for slot in victims:
+                key = key_at[slot]
+                assert key is not None, "the policy evicted a free slot"
+                del slot_of[key]
+                evicted.append(key)
+                key_at[slot] = None
+                ready[slot] = 0  # refs are 0 already: victims are unpinned
+                free.append(slot)
         slots: list[int] = []
+        fresh = self._next_fresh
         for key in new_keys:
-            slot = self._alloc_slot()
+            # Fresh ids ascending first, then freed ones last-in-first-out.
+            if fresh < self.num_blocks:
+                slot = fresh
+                fresh += 1
+            else:
+                slot = free.pop()
             slot_of[key] = slot
-            self._key_at[slot] = key
-            self.policy.insert(key)
+            key_at[slot] = key
             slots.append(slot)
+        self._next_fresh = fresh
+        self.policy.insert(slots, new_keys)
         self._num_not_ready += len(new_keys)
         if evicted:
             # A copy: the caller owns `evicted_keys`, the pending event must not change with it.
@@ -185,9 +206,9 @@ class BlockIndex:
                 self._ready[slot] = 1
             self._events.append(OffloadingEvent(list(pending), self.block_tokens, "CPU"))
         else:
+            self.policy.remove(pending.values())
             for key, slot in pending.items():
                 del slot_of[key]
-                self.policy.remove(key)
                 self._release_slot(slot)
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -202,7 +223,7 @@ class BlockIndex:
         self._key_at = [None] * n
         self._ready = bytearray(n)
         self._refs = array("i", bytes(4 * n))
-        self._free.clear()
+        self._free = array("i")
         self._next_fresh = 0
         self._num_not_ready = 0
         self._num_pinned = 0
@@ -244,6 +265,25 @@ class BlockIndex:
         slot = self._slot_of.get(key)
         return 0 if slot is None else self._refs[slot]
 
+    def key_at(self, slot: int) -> Key | None:
+        """The key held by `slot`, None when the slot is free."""
+        return self._key_at[slot]
+
+    @property
+    def next_fresh_slot(self) -> int:
+        """The lowest slot id never allocated since the last reset (num_blocks: none left)."""
+        return self._next_fresh
+
+    @property
+    def freed_slots(self) -> tuple[int, ...]:
+        """Freed slot ids waiting for reuse; the last one goes first."""
+        return tuple(self._free)
+
+    @property
+    def pending_events(self) -> tuple[OffloadingEvent, ...]:
+        """The events `take_events` would drain now, without draining them."""
+        return tuple(self._events)
+
     def check_invariants(self) -> list[str]:
         """The SPEC section 4 invariants that do not hold (empty when all do). O(n)."""
         problems: list[str] = []
@@ -272,9 +312,14 @@ class BlockIndex:
         pinned = sum(1 for s in slots if self._refs[s] > 0)
         if pinned != self._num_pinned or pinned != sum(1 for r in self._refs if r > 0):
             problems.append(f"pinned count {self._num_pinned} != actual {pinned}")
-        policy_keys = set(self.policy.keys())
-        if len(policy_keys) != len(self.policy) or policy_keys != set(self._slot_of):
-            problems.append("resident keys of the policy != keys of the index")
+        if sum(1 for key in self._key_at if key is not None) != allocated:
+            problems.append("a free slot still names a key")
+        policy_slots = list(self.policy.slots())
+        if len(policy_slots) != len(self.policy) or sorted(policy_slots) != sorted(slots):
+            problems.append("resident slots of the policy != slots of the index")
+        elif not all(self.policy.get(slot) for slot in slots):
+            problems.append("the policy denies a resident slot")
+        problems.extend(self.policy.check_invariants())
         return problems
 
     # -- slots ----------------------------------------------------------------
@@ -286,13 +331,6 @@ class BlockIndex:
         if not self._ready[slot]:
             raise NotReady(f"key {key.hex()} is still being stored")
         return slot
-
-    def _alloc_slot(self) -> int:
-        if self._next_fresh < self.num_blocks:
-            slot = self._next_fresh
-            self._next_fresh += 1
-            return slot
-        return self._free.pop()
 
     def _release_slot(self, slot: int) -> None:
         self._key_at[slot] = None

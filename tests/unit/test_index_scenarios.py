@@ -21,20 +21,26 @@ def policy(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+def policy_keys(idx: BlockIndex) -> list[bytes | None]:
+    """The policy's resident blocks as keys, in the policy's order."""
+    return [idx.key_at(slot) for slot in idx.policy.slots()]
+
+
 def snapshot(idx: BlockIndex) -> dict[str, Any]:
     """Everything observable about the index, policy order and pending events included."""
     pol = idx.policy
+    order = policy_keys(idx)
     state: dict[str, Any] = {
-        "blocks": {k: (idx.slot_of(k), idx.is_ready(k), idx.ref_cnt(k)) for k in list(pol.keys())},
-        "order": list(pol.keys()),
+        "blocks": {k: (idx.slot_of(k), idx.is_ready(k), idx.ref_cnt(k)) for k in order if k},
+        "order": order,
         "num_free": idx.num_free,
-        "free": list(idx._free),
-        "next_fresh": idx._next_fresh,
+        "free": idx.freed_slots,
+        "next_fresh": idx.next_fresh_slot,
         "counts": (len(idx), idx.num_in_flight, idx.num_pinned, idx.num_ready),
-        "events": list(idx._events),
+        "events": idx.pending_events,
     }
     if isinstance(pol, ARCPolicy):
-        state["arc"] = (pol.sizes, pol.target_t1, list(pol._b1), list(pol._b2))
+        state["arc"] = (pol.sizes, pol.target_t1, pol.ghost_fingerprints())
     return state
 
 
@@ -515,7 +521,7 @@ def test_reset_drops_everything(policy: str) -> None:
     ok(idx)
     assert len(idx) == 0 and idx.num_free == 4
     assert (idx.num_in_flight, idx.num_pinned, idx.num_ready) == (0, 0, 0)
-    assert list(idx.policy.keys()) == []
+    assert list(idx.policy.slots()) == []
     assert idx.take_events() == []
     assert idx.lookup([A]) == 0
     with pytest.raises(KvdError):
@@ -588,5 +594,9 @@ def test_check_invariants_detects_corruption(policy: str) -> None:
     assert idx.check_invariants() != []
     idx = BlockIndex(4, policy)
     stored(idx, [A, B])
-    idx.policy.remove(A)
+    idx.policy.remove([0])  # the index still holds A in slot 0
+    assert idx.check_invariants() != []
+    idx = BlockIndex(4, policy)
+    stored(idx, [A, B])
+    idx.policy.insert([3], [X])  # the index has slot 3 free
     assert idx.check_invariants() != []

@@ -34,17 +34,22 @@ class Block:
     refs: int = 0
 
 
+def policy_keys(idx: BlockIndex) -> list[bytes | None]:
+    """The policy's resident blocks as keys, in the policy's order (LRU: oldest first)."""
+    return [idx.key_at(slot) for slot in idx.policy.slots()]
+
+
 def snapshot(idx: BlockIndex) -> dict[str, Any]:
     pol = idx.policy
     state: dict[str, Any] = {
         "blocks": {k: (idx.slot_of(k), idx.is_ready(k), idx.ref_cnt(k)) for k in KEYS},
-        "order": list(pol.keys()),
-        "free": (idx.num_free, list(idx._free), idx._next_fresh),
+        "order": policy_keys(idx),
+        "free": (idx.num_free, idx.freed_slots, idx.next_fresh_slot),
         "counts": (len(idx), idx.num_in_flight, idx.num_pinned, idx.num_ready),
-        "events": list(idx._events),
+        "events": idx.pending_events,
     }
     if isinstance(pol, ARCPolicy):
-        state["arc"] = (pol.sizes, pol.target_t1, list(pol._b1), list(pol._b2))
+        state["arc"] = (pol.sizes, pol.target_t1, pol.ghost_fingerprints())
     return state
 
 
@@ -61,6 +66,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.free: list[int] = []
         self.events: list[OffloadingEvent] = []
         self.recency: list[bytes] = []  # LRU model: oldest first
+        self.ghost_hits: set[bytes] = set()  # ARC: keys stored while they were ghosts
 
     @initialize(num_blocks=st.integers(1, 8), block_tokens=st.sampled_from([1, 16]))
     def init_index(self, num_blocks: int, block_tokens: int) -> None:
@@ -186,6 +192,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _prepare_store(self, keys: list[bytes]) -> list[bytes]:
         new = list(dict.fromkeys(k for k in keys if k not in self.model))
+        pol = self.idx.policy
+        ghosts = {k for k in new if isinstance(pol, ARCPolicy) and pol.ghost_list(k)}
         evictable = [k for k, b in self.model.items() if b.ready and b.refs == 0 and k not in keys]
         need = len(new) - (self.num_blocks - len(self.model))
         if len(new) > self.num_blocks or need > len(evictable):
@@ -212,6 +220,8 @@ class IndexMachine(RuleBasedStateMachine):
         for key, slot in zip(new, slots, strict=True):
             self.model[key] = Block(slot)
             self.recency.append(key)
+        self.ghost_hits.difference_update(new)
+        self.ghost_hits.update(ghosts)
         if victims:
             self.events.append(OffloadingEvent(victims, self.block_tokens, "CPU", removed=True))
         return new
@@ -244,6 +254,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.free.clear()
         self.events.clear()
         self.recency.clear()
+        self.ghost_hits.clear()
 
     # -- invariants -------------------------------------------------------------
 
@@ -257,7 +268,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert idx.num_free + len(idx) == self.num_blocks
         assert idx.num_free == self.num_blocks - len(model)
         assert len(idx) == len(model) == len(idx.policy)
-        assert set(idx.policy.keys()) == set(model)
+        assert set(policy_keys(idx)) == set(model)
         slots = [idx.slot_of(k) for k in model]
         assert len(set(slots)) == len(slots)
         for key in KEYS:
@@ -285,10 +296,13 @@ class IndexMachine(RuleBasedStateMachine):
             assert t1 + b1 <= c
             assert t1 + t2 + b1 + b2 <= 2 * c
             assert 0 <= pol.target_t1 <= c
-            # A block still being stored was never promoted.
-            assert not any(pol.in_t2(k) for k, b in self.model.items() if not b.ready)
+            # A block still being stored was never promoted by a touch: if it
+            # is in T2, it came back from a ghost list.
+            for key, block in self.model.items():
+                if not block.ready and pol.in_t2(block.slot):
+                    assert key in self.ghost_hits, key
         else:
-            assert list(pol.keys()) == self.recency
+            assert policy_keys(self.idx) == self.recency
 
 
 class LRUMachine(IndexMachine):

@@ -1,19 +1,26 @@
-"""Runs in the daemon (pure core): eviction policies, selectable by name."""
+"""Runs in the daemon (pure core): eviction policies, selectable by name.
+
+Each policy implements `CachePolicy` (see its docstrings for the contract) on
+slot ids; `SlotLists` and `GhostLists` are the flat-array building blocks.
+A new policy is one module here and one entry in `POLICIES`.
+"""
 
 from __future__ import annotations
 
 from kvd.errors import BadRequest
 from kvd.index.policies.arc import ARCPolicy
-from kvd.index.policies.base import CachePolicy, Key, KeyPredicate
+from kvd.index.policies.base import CachePolicy, Key, SlotPredicate
+from kvd.index.policies.ghosts import GhostLists
 from kvd.index.policies.lru import LRUPolicy
+from kvd.index.policies.slot_lists import SlotLists
 
 POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 def make_policy(
-    name: str, capacity: int, is_ready: KeyPredicate, is_evictable: KeyPredicate
+    name: str, capacity: int, is_ready: SlotPredicate, is_evictable: SlotPredicate
 ) -> CachePolicy:
-    """The policy called `name`; an unknown name is a `BadRequest`."""
+    """The policy called `name` over slots `0..capacity-1`; an unknown name is a `BadRequest`."""
     try:
         cls = POLICIES[name]
     except KeyError:
@@ -21,4 +28,14 @@ def make_policy(
     return cls(capacity, is_ready, is_evictable)
 
 
-__all__ = ["POLICIES", "ARCPolicy", "CachePolicy", "Key", "LRUPolicy", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "CachePolicy",
+    "GhostLists",
+    "Key",
+    "LRUPolicy",
+    "SlotLists",
+    "SlotPredicate",
+    "make_policy",
+]
