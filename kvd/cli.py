@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("name")
     _add_client_flags(drop)
 
+    demo = sub.add_parser(
+        "demo",
+        help="run the demo TP=2 inference engine against kvd",
+        description="Run the demo inference engine (2 TP worker processes, MHA and MLA) "
+        "against a kvd daemon; starts its own daemon unless one answers.",
+    )
+    from kvd.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
     sub.add_parser("version", help="print the kvd version")
     from kvd.bench.cli import add_bench_parser
 
@@ -190,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         case "ping" | "stats" | "pools" | "pool":
             return _client_command(args)
+        case "demo":
+            from kvd.demo.runner import main as run_demo
+
+            return run_demo(args)
         case "bench":
             from kvd.bench.cli import run_bench
 

@@ -26,7 +26,8 @@ class SuiteReport(TypedDict):
 
 
 def format_cell(value: Value) -> str:
-    """A value as a table cell: floats get 3 significant-ish decimals, never exponents."""
+    """A value as a table cell: floats get 3 significant-ish decimals; tiny ones
+    (logit differences) an exponent, so 2e-6 does not print as 0.000."""
     if value is None:
         return "-"
     if isinstance(value, bool):
@@ -37,6 +38,8 @@ def format_cell(value: Value) -> str:
             return f"{value:.1f}"
         if magnitude >= 10:
             return f"{value:.2f}"
+        if 0 < magnitude < 1e-3:
+            return f"{value:.1e}"
         return f"{value:.3f}"
     return str(value)
 

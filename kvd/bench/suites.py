@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class SuiteError(Exception):
@@ -132,6 +133,83 @@ def _mla_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _e2e_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_ints,
+        default=[1024, 2048, 4096, 8192],
+        metavar="N,...",
+        help="prompt lengths in tokens (default: 1024,2048,4096,8192)",
+    )
+    p.add_argument(
+        "--variant", choices=("mha", "mla", "both"), default="both", help="(default: both)"
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot TTFT vs prompt length"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="time each TTFT at least N times, shorter prompts more often, and keep the "
+        "fastest (default: 2)",
+    )
+
+
+def _rates(text: str) -> list[float]:
+    """An argparse type: `0,0.5,1` -> [0.0, 0.5, 1.0], each in [0, 1]."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
+
+
+def _throughput_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hit-rates",
+        type=_rates,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        metavar="H,...",
+        help="shares of prompt blocks served from kvd (default: 0,0.25,0.5,0.75,1)",
+    )
+    p.add_argument(
+        "--variant", choices=("mha", "mla", "both"), default="both", help="(default: both)"
+    )
+    p.add_argument(
+        "--prompts", type=positive_int, default=8, metavar="N", help="batch size (default: 8)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="tokens per prompt (default: 2048)",
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot requests/s vs hit rate"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="serve the batch N times per hit rate, keep the fastest (default: 2)",
+    )
+    p.add_argument(
+        "--gen-tokens",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tokens generated per request (default: 1, prefill-bound requests)",
+    )
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd.bench.index",
@@ -152,5 +230,15 @@ SUITES: dict[str, Suite] = {
         "kvd.bench.mla",
         "host and device-to-host bytes per block, replicated vs sharded, at TP=N",
         _mla_arguments,
+    ),
+    "e2e": Suite(
+        "kvd.bench.e2e",
+        "demo engine time to first token: cached prefix vs recompute, by prompt length",
+        _e2e_arguments,
+    ),
+    "throughput": Suite(
+        "kvd.bench.throughput",
+        "demo engine requests/s at kvd hit rates from 0 to 1",
+        _throughput_arguments,
     ),
 }
