@@ -40,9 +40,10 @@ class OwnedIndex:
                 f"the per-session cap is {self.pin_cap}"
             )
         spec = self.index.prepare_load(keys)
-        self._pins_of.setdefault(owner, Counter()).update(keys)
-        self._account_of[owner] = account
-        self._pinned_by_account[account] += len(keys)
+        if keys:  # no entry for an empty batch: release() would never drop it
+            self._pins_of.setdefault(owner, Counter()).update(keys)
+            self._account_of[owner] = account
+            self._pinned_by_account[account] += len(keys)
         return spec
 
     def complete_load(self, owner: Owner, keys: Sequence[Key]) -> None:
@@ -52,7 +53,8 @@ class OwnedIndex:
             if held[key] < count:
                 raise NotOwner(f"this session holds no load reference on key {key.hex()}")
         self.index.complete_load(keys)
-        self._unpin(owner, keys)
+        if keys:  # an empty batch from an owner that holds nothing is a no-op
+            self._unpin(owner, keys)
 
     def prepare_store(self, owner: Owner, keys: Sequence[Key]) -> PrepareStoreOutput | None:
         out = self.index.prepare_store(keys)

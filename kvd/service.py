@@ -43,15 +43,23 @@ def check_lengths(keys: Sequence[bytes], ids: Sequence[int]) -> None:
         raise BadRequest(f"{len(keys)} keys but {len(ids)} device block ids")
 
 
+# The envelope of a frame: the top-level array, its items left undecoded.
+_ENVELOPE = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
 def salvage_req_id(frame: bytes) -> int:
-    """The req_id of an undecodable frame when its envelope is intact, else 0."""
+    """The req_id of an undecodable frame when its envelope is intact, else 0.
+
+    Never raises: a frame nested too deep (msgspec's RecursionError) or with a
+    non-int req_id (a bool would echo back as a reply no client can decode)
+    answers 0.
+    """
     try:
-        msg = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
+        items = _ENVELOPE.decode(frame)
+        req_id = msgspec.msgpack.decode(items[1], type=int) if len(items) > 1 else 0
+    except (msgspec.DecodeError, RecursionError):
         return 0
-    if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], int):
-        return msg[1] if 0 <= msg[1] < 1 << 63 else 0
-    return 0
+    return req_id if 0 <= req_id < 1 << 63 else 0
 
 
 class Service:
@@ -145,6 +153,10 @@ class Service:
             case p.Attach():
                 return self._attach(session, req)
             case p.Heartbeat():
+                if session.pool is not None:
+                    # A session on a dropped pool learns it here, so its client
+                    # re-attaches (and a worker remaps) even when idle.
+                    self._pool_of(session)
                 return p.Ok(req.req_id)
             case p.Finished():
                 return p.FinishedResult(req.req_id, self.jobs.take_results(session.session_id))
@@ -246,9 +258,10 @@ class Service:
     def _attach(self, s: Session, req: p.Attach) -> p.Reply:
         if (
             len(req.pool) > p.MAX_NAME_CHARS
+            or not req.pool.isascii()  # as in the config: it names a segment and a label
             or not req.pool.replace("-", "").replace("_", "").isalnum()
         ):
-            raise BadRequest(f"pool name {req.pool[:64]!r} must be letters, digits, - and _")
+            raise BadRequest(f"pool name {req.pool[:64]!r} must be ASCII letters, digits, - and _")
         if s.pool is not None and s.pool != req.pool:
             raise BadRequest(f"this session is attached to pool {s.pool!r}; open another one")
         if s.role == "worker" and s.world_size != req.layout.world_size:
@@ -259,8 +272,8 @@ class Service:
         pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
         if created:  # consumers start this pool's topic from a clean slate
             self.event_outbox.append((pool.name, None))
-        if s.pool is None:
-            pool.sessions += 1
+        if (s.pool, s.generation) != (pool.name, pool.generation):
+            pool.sessions += 1  # first attach, or again after the pool was re-created
         s.pool, s.generation = pool.name, pool.generation
         if s.role == "worker":
             replaced = self.sessions.register_worker(s)
@@ -318,7 +331,12 @@ class Service:
     # -- transfer jobs ---------------------------------------------------------
 
     def _ranks(self, s: Session, pool: Pool) -> dict[int, Session]:
-        ranks = self.sessions.workers(pool.name, s.engine_id)
+        # A worker still on a dropped generation of the pool cannot copy for this one.
+        ranks = {
+            rank: w
+            for rank, w in self.sessions.workers(pool.name, s.engine_id).items()
+            if w.generation == pool.generation
+        }
         missing = [r for r in range(pool.layout.world_size) if r not in ranks]
         if missing:
             raise WorkersMissing(

@@ -28,6 +28,8 @@ from kvd_client.errors import ErrorCode, KvdError, Unavailable, error_for
 log = logging.getLogger("kvd_client")
 R = TypeVar("R")
 _SESSION_LOST = {ErrorCode.NOT_HELLO, ErrorCode.NO_SUCH_POOL, ErrorCode.NOT_ATTACHED}
+# Requests whose errors are about the pool they name, not about this session.
+_NAMES_A_POOL = (p.Hello, p.Attach, p.DropPool, p.Reset)
 
 
 class Connection:
@@ -59,6 +61,7 @@ class Connection:
         self._next_req = 1
         self._last_sent = 0.0
         self._rcvtimeo = -1
+        self._ready = False
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._use_keeper = keeper
@@ -67,7 +70,8 @@ class Connection:
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None
+        """True once Hello (and attach) succeeded, until the session is lost."""
+        return self._ready
 
     def start(self) -> None:
         """Connects once now (errors other than unreachable raise), then keeps it alive."""
@@ -104,6 +108,7 @@ class Connection:
                 self.welcome = reply
                 if self.on_connect is not None:
                     self.on_connect(self)
+                self._ready = True
             except BaseException:
                 self._drop()
                 raise
@@ -121,6 +126,7 @@ class Connection:
             self._keeper.join(timeout=2)
 
     def _drop(self) -> None:
+        self._ready = False
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=0)
@@ -165,8 +171,11 @@ class Connection:
             elif reply.req_id == msg.req_id:
                 if isinstance(reply, p.Error):
                     err = error_for(reply.code, reply.detail)
-                    if err.code in _SESSION_LOST and not isinstance(msg, p.Attach):
-                        self._drop()  # the daemon restarted or the pool went: reconnect
+                    if err.code in _SESSION_LOST and not isinstance(msg, _NAMES_A_POOL):
+                        # The daemon restarted or the pool went: reconnect. To the
+                        # caller this is "unreachable", like a timeout (SPEC 7).
+                        self._drop()
+                        raise Unavailable(f"session lost ({err}); reconnecting") from err
                     raise err
                 return reply
             # else: a reply to a request that already timed out; skip it

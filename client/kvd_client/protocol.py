@@ -20,6 +20,7 @@ MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65_536
 MAX_KEY_BYTES = 64
 MAX_NAME_CHARS = 128
+MAX_LAYOUT_CHARS = 1024  # model identity and engine fingerprint
 
 # Bounds are part of the schema, so msgspec checks them while decoding (in C)
 # and a violation becomes a BAD_REQUEST naming the field.
@@ -31,16 +32,19 @@ Role = Literal["scheduler", "worker", "admin"]
 JobKind = Literal["store", "load"]
 
 
+Name = Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_CHARS)]
+
+
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The geometry and identity an engine attaches to a pool with (SPEC section 3)."""
 
-    model: str
-    dtype: str
+    model: Name
+    dtype: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
     block_tokens: int
     world_size: int
     replicated: bool
     slot_bytes: int
-    extra: str = ""
+    extra: Name = ""
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, array_like=True):

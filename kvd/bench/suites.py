@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvd.bench.soak import add_arguments as _soak_arguments  # imports argparse only
+
 
 class SuiteError(Exception):
     """A suite cannot run as asked (missing input, bad data); the CLI prints it, exit 2."""
@@ -240,5 +242,10 @@ SUITES: dict[str, Suite] = {
         "kvd.bench.throughput",
         "demo engine requests/s at kvd hit rates from 0 to 1",
         _throughput_arguments,
+    ),
+    "soak": Suite(
+        "kvd.bench.soak",
+        "the daemon under faults: ops, faults, violations (must be 0), RSS after warm-up",
+        _soak_arguments,
     ),
 }
