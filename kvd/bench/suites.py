@@ -212,6 +212,24 @@ def _throughput_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    p.add_argument(
+        "--total-mb",
+        type=positive_int,
+        default=256,
+        metavar="MB",
+        help="bytes moved per measurement, in MiB (default: 256)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        metavar="N",
+        help="keep the best of N interleaved measurements (default: 5)",
+    )
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd.bench.index",
@@ -247,5 +265,10 @@ SUITES: dict[str, Suite] = {
         "kvd.bench.soak",
         "the daemon under faults: ops, faults, violations (must be 0), RSS after warm-up",
         _soak_arguments,
+    ),
+    "transfer": Suite(
+        "kvd.bench.transfer",
+        "scattered store/load GB/s through the copy backend vs one contiguous torch copy",
+        _transfer_arguments,
     ),
 }
