@@ -47,6 +47,13 @@ def add_bench_parser(sub: Any) -> None:
         ALL, help="run every suite with its defaults", description="Run every suite."
     )
     _add_json_flag(every)
+    every.add_argument(
+        "--plots",
+        type=Path,
+        default=Path("bench-plots"),
+        metavar="DIR",
+        help="write the PNG plots of the suites that draw one here (default: bench-plots)",
+    )
 
 
 def default_args(name: str) -> argparse.Namespace:
@@ -79,6 +86,8 @@ def run_bench(args: argparse.Namespace) -> int:
     status = 0
     for name in names:
         suite_args = default_args(name) if args.suite == ALL else args
+        if args.suite == ALL and hasattr(suite_args, "png"):
+            suite_args.png = args.plots / f"{name}.png"
         try:
             rows, summary = run_suite(name, suite_args)
         except SuiteError as exc:

@@ -106,6 +106,9 @@ def _trace_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N,...",
         help="cache capacities in blocks (default: 2000,6000,29000)",
     )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot hit rate vs capacity"
+    )
 
 
 def _rpc_arguments(p: argparse.ArgumentParser) -> None:

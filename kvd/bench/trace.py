@@ -67,7 +67,27 @@ def run(args: argparse.Namespace) -> list[Row]:
                         "hit_rate": round(stats.hit_rate, 4),
                     }
                 )
+    if getattr(args, "png", None) is not None:
+        plot(rows, args.png)
     return rows
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Hit rate against capacity, one line per policy (Belady dashed), per trace file."""
+    from kvd.demo.chart import Series, line_chart
+
+    for trace in dict.fromkeys(str(r["trace"]) for r in rows):
+        mine = [r for r in rows if r["trace"] == trace]
+        series = []
+        for i, policy in enumerate(dict.fromkeys(str(r["policy"]) for r in mine)):
+            points = [
+                (float(r["capacity_blocks"]), float(r["hit_rate"]))  # type: ignore[arg-type]
+                for r in mine
+                if r["policy"] == policy
+            ]
+            series.append(Series(policy, points, policy == BELADY, color=i))
+        out = path if len(rows) == len(mine) else path.with_stem(f"{path.stem}-{trace}")
+        line_chart(out, f"hit rate, {trace}", "capacity (blocks)", "hit rate", series)
 
 
 def summarize(rows: list[Row]) -> list[str]:
