@@ -29,6 +29,9 @@ def spawn() -> Iterator[list[subprocess.Popen[str]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def python_child(code: str) -> subprocess.Popen[str]:
