@@ -17,7 +17,7 @@ import msgspec
 from kvd.config import Config
 from kvd.errors import BadRequest, KvdError, WorkersMissing
 from kvd.index import OffloadingEvent
-from kvd.jobs import JobTable, Outcome
+from kvd.jobs import Job, JobTable, Outcome
 from kvd.pools import Pool, PoolRegistry
 from kvd.sessions import Session, SessionTable
 from kvd.version import __version__
@@ -366,21 +366,10 @@ class Service:
         device_of = dict(zip(keys, device_ids, strict=True))
         job_device_ids = [device_of[k] for k in out.keys_to_store]
         writers = frozenset({0}) if pool.layout.replicated else frozenset(ranks)
-        job = self.jobs.create(
-            job_id=job_id,
-            kind="store",
-            pool=pool.name,
-            generation=pool.generation,
-            session_id=s.session_id,
-            engine_id=s.engine_id,
-            keys=out.keys_to_store,
-            slots=out.store_spec.slots,
-            device_block_ids=job_device_ids,
-            ranks=frozenset(ranks),
-            writers=writers,
-            now=now,
-        )
-        self._push(job.job_id, "store", pool, ranks, job_device_ids, job.slots, writers)
+        job = self._start_job(
+            "store", s, pool, ranks, job_id, out.keys_to_store, out.store_spec.slots,
+            job_device_ids, writers, now,
+        )  # fmt: skip
         self.counters["stores"] += 1
         return p.StoreTicket(req_id, True, job.job_id, out.keys_to_store, out.evicted_keys)
 
@@ -397,23 +386,43 @@ class Service:
         ranks = self._ranks(s, pool)
         job_id = self.jobs.new_id()
         spec = pool.owned.prepare_load(("job", job_id), keys, account=s.session_id)
+        job = self._start_job(
+            "load", s, pool, ranks, job_id, list(keys), spec.slots, list(device_ids),
+            frozenset(ranks), now,
+        )  # fmt: skip
+        self.counters["loads"] += 1
+        return p.LoadTicket(req_id, job.job_id)
+
+    def _start_job(
+        self,
+        kind: p.JobKind,
+        s: Session,
+        pool: Pool,
+        ranks: dict[int, Session],
+        job_id: int,
+        keys: list[bytes],
+        slots: list[int],
+        device_ids: list[int],
+        writers: frozenset[int],
+        now: float,
+    ) -> Job:
+        """Records the job and pushes one `TransferJob` to each rank of the engine."""
         job = self.jobs.create(
             job_id=job_id,
-            kind="load",
+            kind=kind,
             pool=pool.name,
             generation=pool.generation,
             session_id=s.session_id,
             engine_id=s.engine_id,
-            keys=list(keys),
-            slots=spec.slots,
-            device_block_ids=list(device_ids),
+            keys=keys,
+            slots=slots,
+            device_block_ids=device_ids,
             ranks=frozenset(ranks),
-            writers=frozenset(ranks),
+            writers=writers,
             now=now,
         )
-        self._push(job.job_id, "load", pool, ranks, list(device_ids), spec.slots, job.writers)
-        self.counters["loads"] += 1
-        return p.LoadTicket(req_id, job.job_id)
+        self._push(job_id, kind, pool, ranks, device_ids, slots, writers)
+        return job
 
     def _push(
         self,
