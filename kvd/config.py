@@ -26,7 +26,7 @@ Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 PoolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_NAME_CHARS)]
-PolicyName = Literal["lru", "arc"]
+PolicyName = Literal["lru", "arc", "adaptive"]
 
 
 class ConfigError(Exception):

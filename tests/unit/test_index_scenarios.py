@@ -11,7 +11,10 @@ from kvd.errors import ErrorCode, KvdError
 from kvd.index import BlockIndex, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 from kvd.index.policies import ARCPolicy
 
-POLICIES = ["lru", "arc"]
+POLICIES = ["lru", "arc", "adaptive"]
+# For scenarios that expect the first key of a stored batch to be its oldest
+# block; "adaptive" stores a batch tail first (see kvd.index.policies.probation).
+HEAD_FIRST = pytest.mark.parametrize("policy", ["lru", "arc"])
 
 A, B, C, D, E, F, G, X, Y = (c.encode() for c in "abcdefgxy")
 
@@ -174,6 +177,7 @@ def test_pinned_blocks_are_never_evicted(policy: str) -> None:
 # -- touch --------------------------------------------------------------------
 
 
+@HEAD_FIRST
 def test_without_touch_the_oldest_block_is_the_victim(policy: str) -> None:
     idx = BlockIndex(3, policy)
     stored(idx, [A, B, C])
@@ -190,6 +194,7 @@ def test_touch_walks_in_reverse_so_first_key_is_most_recent(policy: str) -> None
     assert stored(idx, [E]).evicted_keys == [B]
 
 
+@HEAD_FIRST
 def test_touch_ignores_absent_keys(policy: str) -> None:
     idx = BlockIndex(3, policy)
     stored(idx, [A, B, C])
@@ -379,6 +384,7 @@ def test_fresh_slot_ids_ascend_then_freed_ids_are_reused_lifo(policy: str) -> No
     ok(idx)
 
 
+@HEAD_FIRST
 def test_evicted_slots_are_reused_lifo(policy: str) -> None:
     idx = BlockIndex(3, policy)
     stored(idx, [A, B, C])
@@ -452,6 +458,7 @@ def test_complete_store_of_absent_key_raises_and_changes_nothing(policy: str) ->
 # -- events -------------------------------------------------------------------
 
 
+@HEAD_FIRST
 def test_evictions_emit_one_removed_event_per_prepare_store(policy: str) -> None:
     idx = BlockIndex(3, policy, block_tokens=8)
     stored(idx, [A, B, C])

@@ -106,7 +106,7 @@ def test_pinned_head_is_skipped_once_not_once_per_victim(num_pinned: int) -> Non
 
 
 def test_unknown_policy_is_a_bad_request() -> None:
-    assert set(POLICIES) == {"lru", "arc"}
+    assert {"lru", "arc"} <= set(POLICIES)
     with pytest.raises(KvdError) as info:
         make_policy("mru", 4, Blocks().is_ready, Blocks().is_evictable)
     assert info.value.code == ErrorCode.BAD_REQUEST

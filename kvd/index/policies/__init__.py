@@ -8,13 +8,18 @@ A new policy is one module here and one entry in `POLICIES`.
 from __future__ import annotations
 
 from kvd.errors import BadRequest
+from kvd.index.policies.adaptive import AdaptivePolicy
 from kvd.index.policies.arc import ARCPolicy
 from kvd.index.policies.base import CachePolicy, Key, SlotPredicate
 from kvd.index.policies.ghosts import GhostLists
 from kvd.index.policies.lru import LRUPolicy
 from kvd.index.policies.slot_lists import SlotLists
 
-POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+POLICIES: dict[str, type[CachePolicy]] = {
+    "lru": LRUPolicy,
+    "arc": ARCPolicy,
+    "adaptive": AdaptivePolicy,
+}
 
 
 def make_policy(
