@@ -107,7 +107,7 @@ class Load(_Msg, frozen=True):
 
 
 class Finished(_Msg, frozen=True):
-    pass
+    """Jobs finished since the last call (`FinishedResult`)."""
 
 
 class JobDone(_Msg, frozen=True):
@@ -120,15 +120,15 @@ class JobDone(_Msg, frozen=True):
 
 
 class Heartbeat(_Msg, frozen=True):
-    pass
+    """Renews the lease; any message does, this one carries nothing else."""
 
 
 class Stats(_Msg, frozen=True):
-    pass
+    """Counters and pools (`StatsResult`)."""
 
 
 class Pools(_Msg, frozen=True):
-    pass
+    """The pools (`PoolsResult`)."""
 
 
 class DropPool(_Msg, frozen=True):
@@ -189,7 +189,7 @@ class Attached(_Msg, frozen=True):
 
 
 class Ok(_Msg, frozen=True):
-    pass
+    """The request was done; nothing to return."""
 
 
 class LookupResult(_Msg, frozen=True):

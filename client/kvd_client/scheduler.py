@@ -188,7 +188,7 @@ class Scheduler:
                 assert isinstance(reply, p.FinishedResult)
                 results = reply.results
             except Unavailable:
-                pass
+                pass  # the connection dropped: its jobs are in self._lost below
         with self._results_lock:
             for r in results:
                 self._outstanding.discard(r.job_id)
