@@ -25,7 +25,7 @@ from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
 
 log = logging.getLogger("kvd.service")
-_POOL_VERBS = (
+POOL_VERBS = (  # the verbs that act on the session's pool
     p.Lookup,
     p.PrepareLoad,
     p.Touch,
@@ -142,7 +142,7 @@ class Service:
         if session is None:
             raise KvdError("send Hello first", ErrorCode.NOT_HELLO)
         self.sessions.renew(session, now)
-        if isinstance(req, _POOL_VERBS):
+        if isinstance(req, POOL_VERBS):
             pool = self._pool_of(session)
             if session.role != "scheduler":
                 raise KvdError(

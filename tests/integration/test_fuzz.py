@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from kvd.index import BlockIndex
 from kvd.launcher import DaemonProcess
 from kvd.ownership import OwnedIndex
+from kvd.service import POOL_VERBS
 from kvd.version import __version__
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode, KvdError
@@ -67,16 +68,6 @@ HOMES: dict[str, tuple[p.Role, str, str | None]] = {
     "worker": ("worker", "fz", "fz"),
     "attacher": ("scheduler", "fz-a", None),
 }
-POOL_VERBS = (
-    p.Lookup,
-    p.PrepareLoad,
-    p.Touch,
-    p.CompleteLoad,
-    p.PrepareStore,
-    p.CompleteStore,
-    p.Store,
-    p.Load,
-)
 _ENVELOPE = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 

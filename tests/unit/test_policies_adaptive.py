@@ -29,26 +29,11 @@ from kvd.index.policies.doorkeeper import Doorkeeper
 from kvd.index.policies.fingerprint_map import FingerprintMap
 from kvd.index.policies.miniature import EXPERTS, START, Miniature, Miniatures
 from kvd.index.policies.probation import LONG, SHORT, ProbationCache, fingerprint
+from tests.unit.policy_blocks import Blocks
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
 A, B, C, D, E, F = (c.encode() for c in "abcdef")
 SA, SB, SC, SD, SE, SF = range(6)
-
-
-class Blocks:
-    """Stand-in for the index's read-only callbacks on slots, with a call counter."""
-
-    def __init__(self) -> None:
-        self.not_ready: set[int] = set()
-        self.pinned: set[int] = set()
-        self.num_checks = 0
-
-    def is_ready(self, slot: int) -> bool:
-        return slot not in self.not_ready
-
-    def is_evictable(self, slot: int) -> bool:
-        self.num_checks += 1
-        return slot not in self.not_ready and slot not in self.pinned
 
 
 def key_of(slot: int) -> bytes:

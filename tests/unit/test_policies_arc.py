@@ -11,27 +11,12 @@ import pytest
 
 from kvd.index import BlockIndex
 from kvd.index.policies import ARCPolicy, GhostLists, make_policy
+from tests.unit.policy_blocks import Blocks
 
 # Keys, for tests through the index.
 A, B, C, D, E, F = (c.encode() for c in "abcdef")
 # Slot ids, for tests of the policy alone.
 SA, SB, SC, SD, SE = range(5)
-
-
-class Blocks:
-    """Stand-in for the index's read-only callbacks on slots, with a call counter."""
-
-    def __init__(self) -> None:
-        self.not_ready: set[int] = set()
-        self.pinned: set[int] = set()
-        self.num_checks = 0
-
-    def is_ready(self, slot: int) -> bool:
-        return slot not in self.not_ready
-
-    def is_evictable(self, slot: int) -> bool:
-        self.num_checks += 1
-        return slot not in self.not_ready and slot not in self.pinned
 
 
 def make_arc(capacity: int, blocks: Blocks) -> ARCPolicy:

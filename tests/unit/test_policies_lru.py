@@ -9,24 +9,9 @@ import pytest
 from kvd.errors import ErrorCode, KvdError
 from kvd.index import BlockIndex
 from kvd.index.policies import POLICIES, LRUPolicy, SlotLists, make_policy
+from tests.unit.policy_blocks import Blocks
 
 A, B, C, D, E = range(5)  # slot ids
-
-
-class Blocks:
-    """Stand-in for the index's read-only callbacks on slots, with a call counter."""
-
-    def __init__(self) -> None:
-        self.not_ready: set[int] = set()
-        self.pinned: set[int] = set()
-        self.num_checks = 0
-
-    def is_ready(self, slot: int) -> bool:
-        return slot not in self.not_ready
-
-    def is_evictable(self, slot: int) -> bool:
-        self.num_checks += 1
-        return slot not in self.not_ready and slot not in self.pinned
 
 
 def make_lru(capacity: int, blocks: Blocks) -> LRUPolicy:
