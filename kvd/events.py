@@ -86,7 +86,7 @@ class BlockRemoved(KVCacheEvent, frozen=True):
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True):
-    pass
+    """Every block of the pool is gone (start, reset, drop)."""
 
 
 class KVEventBatch(EventBatch, frozen=True):

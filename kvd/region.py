@@ -58,7 +58,7 @@ class Manifest:
                 posix_ipc.unlink_shared_memory(name)
                 gone.append(name)
             except posix_ipc.ExistentialError:
-                pass
+                pass  # already gone (e.g. after a reboot): nothing to unlink
         self._write([])
         return gone
 

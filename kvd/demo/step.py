@@ -67,7 +67,7 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class Shutdown:
-    pass
+    """Tells a worker to leave its loop and exit."""
 
 
 Command = Forward | Release | Shutdown

@@ -232,7 +232,7 @@ class Engine:
                 r.conn.send((msg[0], self.seq, *msg[1:]))
                 sent.append(r)
             except (OSError, ValueError):
-                pass
+                pass  # a killed rank's pipe: it is left out of `sent` and counted below
         replies = [r.receive(self.seq, self.wait_s + 30) for r in sent]
         if len(sent) < len(self.ranks) or any(reply is None for reply in replies):
             if msg[1] is not None:
