@@ -47,7 +47,11 @@ class DaemonProcess:
 
     @property
     def endpoint(self) -> str:
-        return f"ipc://{self.runtime_dir / 'control.sock'}"
+        return f"ipc://{self.socket_path}"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.runtime_dir / "control.sock"
 
     @property
     def lease_s(self) -> float:
@@ -72,7 +76,14 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
-            conn = Connection(self.endpoint, role="admin", keeper=False, timeout_ms=200)
+            if not self.socket_path.exists():
+                time.sleep(0.02)
+                continue
+            # A generous timeout: a Hello answered after the client gave up
+            # would leave an orphan session until its lease runs out.
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            wait_ms = max(min(left_ms, 2000), 100)
+            conn = Connection(self.endpoint, role="admin", keeper=False, timeout_ms=wait_ms)
             try:
                 conn.connect()
                 conn.close()
