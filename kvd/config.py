@@ -56,7 +56,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     shutdown_timeout_ms: Positive = 5_000
     max_total_bytes: NonNegative = 0  # 0 = a quarter of physical RAM
     default_pool_bytes: Positive = 4 * GiB  # when an Attach names no capacity
-    policy: PolicyName = "lru"
+    policy: PolicyName = "adaptive"
     pin_cap_fraction: Fraction = 0.5  # of a pool's blocks, per session
     max_sessions: Positive = 4096
     prefault: bool = True

@@ -132,6 +132,8 @@ class Server:
             observe(service.last_type.__name__, time.monotonic() - now)
         else:
             asyncio.get_running_loop().call_soon(self._drain)
+        # Replies are out; now the work the policies kept off the request path.
+        service.settle()
         self._publish()
 
     def _publish(self) -> None:

@@ -116,6 +116,11 @@ class Service:
             self._end_session(session)
         self._apply(self.jobs.expire(now))
 
+    def settle(self) -> None:
+        """Idle work of the pools' policies (the server calls it once the socket is drained)."""
+        for pool in self.pools:
+            pool.index.settle()
+
     def collect_events(self) -> None:
         """Moves the pools' index events to `event_outbox` (the server publishes them)."""
         for pool in self.pools:

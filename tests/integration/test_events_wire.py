@@ -106,7 +106,7 @@ class Wired:
 
 
 def start(metrics_addr: str) -> Wired:
-    d = DaemonProcess(metrics_addr=metrics_addr)
+    d = DaemonProcess(metrics_addr=metrics_addr, policy="lru")  # exact victims below
     (d.runtime_dir / "kvd.toml").write_text(DECLARED_TOML)
     events, replay = f"ipc://{d.runtime_dir}/events.sock", f"ipc://{d.runtime_dir}/replay.sock"
     d.flags.update(

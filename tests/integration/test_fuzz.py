@@ -56,6 +56,7 @@ FLAGS = {
     "max-total-bytes": str(MAX_TOTAL),
     "default-pool-bytes": str(DEFAULT_POOL),
     "prefault": "false",
+    "policy": "lru",  # the model replays LRU exactly
     "log-level": "warning",
     "metrics-addr": "none",
 }

@@ -159,6 +159,19 @@ def test_summary_flags_arc_below_lru() -> None:
     ]
 
 
+@pytest.mark.parametrize(("adaptive", "verdict"), [(0.596, "met"), (0.594, "NOT met")])
+def test_summary_holds_adaptive_to_the_better_of_lru_and_arc(adaptive: float, verdict: str) -> None:
+    rows: list[Row] = [
+        {"trace": "t", "capacity_blocks": 10, "policy": "lru", "hit_rate": 0.5},
+        {"trace": "t", "capacity_blocks": 10, "policy": "arc", "hit_rate": 0.6},
+        {"trace": "t", "capacity_blocks": 10, "policy": "adaptive", "hit_rate": adaptive},
+    ]
+    assert trace_suite.summarize(rows) == [
+        f"- t at 10 blocks: arc >= lru: met; adaptive {adaptive / 0.6:.2f}x the better of "
+        f"arc and lru (>= it - 0.005: {verdict})"
+    ]
+
+
 @pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="no ../shared/traces in this checkout")
 def test_mooncake_trace_with_an_unlimited_cache() -> None:
     requests = load_trace(SHARED_TRACE)

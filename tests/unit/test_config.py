@@ -12,7 +12,7 @@ from kvd.config import ConfigError, load_config, parse_size
 def test_defaults_need_no_file() -> None:
     cfg = load_config(None, {}, env={"XDG_RUNTIME_DIR": "/run/user/5"})
     assert cfg.runtime_dir == "/run/user/5/kvd"
-    assert cfg.max_total_bytes > 0 and cfg.lease_ms == 10_000 and cfg.policy == "lru"
+    assert cfg.max_total_bytes > 0 and cfg.lease_ms == 10_000 and cfg.policy == "adaptive"
     cfg = load_config(None, {}, env={})
     assert cfg.runtime_dir.startswith("/tmp/kvd-")
 

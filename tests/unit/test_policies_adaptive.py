@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from kvd.bench.conversation import conversation
 from kvd.bench.replay import load_trace, replay
 from kvd.index import BlockIndex, OffloadingEvent
 from kvd.index.policies import POLICIES, SlotPredicate, make_policy
-from kvd.index.policies.adaptive import AdaptivePolicy
+from kvd.index.policies.adaptive import MAX_PENDING, AdaptivePolicy
 from kvd.index.policies.doorkeeper import Doorkeeper
 from kvd.index.policies.fingerprint_map import FingerprintMap
 from kvd.index.policies.miniature import EXPERTS, START, Miniature, Miniatures
@@ -62,35 +63,6 @@ def request(idx: BlockIndex, keys: Sequence[bytes]) -> int:
 
 
 # -- traces -------------------------------------------------------------------
-
-
-def conversation_trace(
-    seed: int, num_requests: int, p_first: float = 0.4, p_later: float = 0.8, gap: float = 150.0
-) -> list[list[int]]:
-    """Chat traffic: every prompt starts with system block 0; a session's next turn
-    (after a lognormal gap, in requests) extends its previous prompt less the
-    partial last block. Most sessions are one-off; one that got a second turn
-    tends to go on (probability p_later per turn)."""
-    rng = random.Random(seed)
-    next_id = 1
-    pending: list[tuple[float, int, list[int]]] = []
-    trace: list[list[int]] = []
-    for t in range(num_requests):
-        if pending and pending[0][0] <= t:
-            ids = heapq.heappop(pending)[2]
-            new = 1 + int(rng.expovariate(0.5))
-            ids = [*ids[:-1], *range(next_id, next_id + new)]
-            turn_p = p_later
-        else:
-            new = min(250, max(1, int(rng.lognormvariate(math.log(12), 1.0))))
-            ids = [0, *range(next_id, next_id + new)]
-            turn_p = p_first
-        next_id += new
-        trace.append(ids)
-        if rng.random() < turn_p and len(ids) < 300:
-            due = t + rng.lognormvariate(math.log(gap), 1.0)
-            heapq.heappush(pending, (due, next_id, ids))
-    return trace
 
 
 def tool_trace(seed: int, num_requests: int, num_tools: int = 60) -> list[list[int]]:
@@ -355,6 +327,44 @@ def test_lookups_choose_the_behaviour() -> None:
     assert policy.miniatures.scores == [0.0] * len(EXPERTS)
 
 
+def test_lookups_wait_for_the_next_store_and_decide_the_same() -> None:
+    """A lookup only samples its keys; the miniatures replay them before the next
+    insert or eviction (or once MAX_PENDING wait): same choice, cheap lookups."""
+    idx = BlockIndex(64, "adaptive")
+    policy = idx.policy
+    assert isinstance(policy, AdaptivePolicy)
+    direct = Miniatures(64)
+    hot = [b"h%d" % i for i in range(32)]
+    for i in range(300):
+        for keys in (hot[(i % 4) * 8 : (i % 4) * 8 + 8], [b"s%d-%d" % (i, j) for j in range(16)]):
+            before = policy.miniatures.scores
+            hits = idx.lookup(keys)
+            assert policy.miniatures.scores == before  # nothing replayed yet
+            direct.observe(keys)
+            assert hits is not None
+            idx.touch(keys[:hits])
+            out = idx.prepare_store(keys)  # replays the pending lookup first
+            if out is not None and out.keys_to_store:
+                idx.complete_store(out.keys_to_store)
+            assert policy.miniatures.scores == direct.scores
+            assert policy.miniatures.choice == direct.choice
+    assert policy.alpha == 0.0
+    for _ in range(MAX_PENDING - 1):  # lookups alone: they wait, up to a bound
+        idx.lookup(hot)
+    assert policy.miniatures.scores == direct.scores
+    idx.lookup(hot)
+    assert policy.miniatures.scores != direct.scores
+    assert idx.check_invariants() == []
+    for _ in range(MAX_PENDING):
+        direct.observe(hot)
+    for _ in range(3):  # the daemon's idle hook replays what waits
+        idx.lookup(hot)
+        direct.observe(hot)
+    assert policy.miniatures.scores != direct.scores
+    idx.settle()
+    assert policy.miniatures.scores == direct.scores
+
+
 # -- the fingerprint map --------------------------------------------------------------
 
 
@@ -404,7 +414,7 @@ def test_a_full_size_miniature_replays_like_the_index(
             super().__init__(capacity, is_ready, is_evictable, alpha, memory, (memory,))
 
     monkeypatch.setitem(POLICIES, "fixed", Fixed)
-    trace = conversation_trace(seed=5, num_requests=400)
+    trace = conversation(seed=5, num_requests=400, gap_median=40.0)
     capacity = 300
     mini = Miniature(capacity, alpha, memory)
     hits = sum(mini.request([fingerprint(i.to_bytes(8, "big")) for i in ids]) for ids in trace)
@@ -444,14 +454,16 @@ def test_the_choice_moves_only_on_evidence() -> None:
 
 
 def test_conversation_traffic_small_capacity_gains_over_lru_and_arc() -> None:
-    rates = hit_rates(conversation_trace(seed=1, num_requests=5000), 1000)
-    best = max(rates["lru"], rates["arc"])
-    assert rates["adaptive"] >= 1.2 * best, rates
+    """The issue's bar on conversation traffic: 1.3x the better of LRU and ARC at
+    2,000 blocks (on the trace shaped after Mooncake's conversation trace)."""
+    rates = hit_rates(conversation(seed=1, num_requests=6000), 2000)
+    assert rates["adaptive"] >= 1.3 * max(rates["lru"], rates["arc"]), rates
 
 
-@pytest.mark.parametrize("capacity", [4000, 6000])
+@pytest.mark.parametrize("capacity", [4000, 8000])
 def test_conversation_traffic_large_capacity_loses_nothing(capacity: int) -> None:
-    rates = hit_rates(conversation_trace(seed=2, num_requests=3000, gap=60.0), capacity)
+    """Turns that come back soon, a cache that holds most of them: admit everything."""
+    rates = hit_rates(conversation(seed=2, num_requests=4000, gap_median=100.0), capacity)
     assert rates["adaptive"] >= max(rates["lru"], rates["arc"]) - 0.005, rates
 
 

@@ -9,7 +9,8 @@ order; see `kvd.index.policies.probation`) whose behaviour, the pair (alpha,
 memory), is chosen online by miniature simulations of the same rules
 (`kvd.index.policies.miniature`):
 
-    lookup(keys) --sampled keys--> Miniatures: one ProbationCache per
+    lookup(keys) --sampled keys--> (waiting, up to MAX_PENDING lookups)
+                 ----------------> Miniatures: one ProbationCache per
                                    behaviour of EXPERTS, at sample scale,
                                    scored by their recent prefix hits
                                        |  (alpha, memory) = EXPERTS[choice]
@@ -22,19 +23,27 @@ memory), is chosen online by miniature simulations of the same rules
 
 Lookups drive the miniatures (SPEC section 4: `lookup` counts for
 admission), so the choice follows the requests the engine makes, hits and
-misses alike. Until the miniatures tell the behaviours apart, it is
-EXPERTS[START]. Per key: O(1) for the real cache, plus O(len(EXPERTS)) per
-sampled key for the miniatures; memory per slot at 1,000,000 slots: 67
-bytes for the real cache, 19 for the miniatures (see their module docs).
+misses alike. A lookup only samples its keys; the miniatures replay the
+waiting samples, in order, before the next insert or eviction (the verbs the
+choice steers, so they decide exactly as if replayed at once), when the
+daemon is idle (`settle`, once its replies are out), or when MAX_PENDING
+wait. Until the miniatures tell the behaviours apart, the
+choice is EXPERTS[START].
+
+Per key: O(1) for the real cache, plus O(len(EXPERTS)) per sampled key for
+the miniatures; memory per slot at 1,000,000 slots: 67 bytes for the real
+cache, 19 for the miniatures (see their module docs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvd.index.policies.base import Key, SlotPredicate
 from kvd.index.policies.miniature import EXPERTS, START, Miniatures
 from kvd.index.policies.probation import LONG, SHORT, ProbationCache
+
+MAX_PENDING = 64  # sampled lookups waiting for the miniatures, at most
 
 
 class AdaptivePolicy(ProbationCache):
@@ -44,17 +53,49 @@ class AdaptivePolicy(ProbationCache):
         alpha, memory = EXPERTS[START]
         super().__init__(capacity, is_ready, is_evictable, alpha, memory, (SHORT, LONG))
         self.miniatures = Miniatures(capacity)
+        self._pending: list[list[int]] = []
 
     def record_lookup(self, keys: Sequence[Key]) -> None:
-        self.alpha, self.memory = EXPERTS[self.miniatures.observe(keys)]
+        # A lookup only samples its keys; the miniatures replay them before the
+        # next insert or eviction, the only verbs the choice steers, so that a
+        # lookup (the latency-critical verb) pays little and decides the same.
+        sample = self.miniatures.sample(keys)
+        if sample:
+            self._pending.append(sample)
+            if len(self._pending) >= MAX_PENDING:
+                self._decide()
+
+    def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        if self._pending:
+            self._decide()
+        super().insert(slots, keys)
+
+    def evict(self, n: int, protected: Collection[int]) -> list[int] | None:
+        if self._pending:
+            self._decide()
+        return super().evict(n, protected)
+
+    def settle(self) -> None:
+        if self._pending:
+            self._decide()
+
+    def _decide(self) -> None:
+        observe = self.miniatures.observe_sample
+        for sample in self._pending:
+            observe(sample)
+        self._pending.clear()
+        self.alpha, self.memory = EXPERTS[self.miniatures.choice]
 
     def clear(self) -> None:
         super().clear()
         self.miniatures.clear()
+        self._pending.clear()
         self.alpha, self.memory = EXPERTS[START]
 
     def check_invariants(self) -> list[str]:
         problems = super().check_invariants() + self.miniatures.check()
         if (self.alpha, self.memory) != EXPERTS[self.miniatures.choice]:
             problems.append(f"alpha {self.alpha}, memory {self.memory}: not the choice")
+        if len(self._pending) >= MAX_PENDING:
+            problems.append(f"{len(self._pending)} lookups wait for the miniatures")
         return problems

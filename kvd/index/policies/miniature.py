@@ -55,7 +55,7 @@ _BUCKETS = 65521  # a prime: `crc32 % prime` does not inherit crc32's linearity
 
 
 class Miniature:
-    """One shadow cache of `size` blocks with a fixed behaviour, fed sampled fingerprints."""
+    """One shadow cache of `size` blocks with a fixed (alpha, memory), fed sampled fingerprints."""
 
     def __init__(self, size: int, alpha: float, memory: int) -> None:
         self.size = size
@@ -139,12 +139,18 @@ class Miniatures:
         self._spread = [[0.0] * k for _ in range(k)]
         self.choice = START
 
+    def sample(self, keys: Sequence[bytes]) -> list[int]:
+        """The fingerprints of the sampled keys of one lookup, in order."""
+        threshold, crc32 = self._threshold, zlib.crc32
+        return [fp for key in keys if (fp := crc32(key)) % _BUCKETS < threshold]
+
     def observe(self, keys: Sequence[bytes]) -> int:
         """Feeds the sampled keys of one lookup to every miniature; returns the choice."""
-        threshold, crc32 = self._threshold, zlib.crc32
-        fps = [fp for key in keys if (fp := crc32(key)) % _BUCKETS < threshold]
-        if not fps:
-            return self.choice
+        fps = self.sample(keys)
+        return self.observe_sample(fps) if fps else self.choice
+
+    def observe_sample(self, fps: Sequence[int]) -> int:
+        """`observe`, for a lookup already reduced to its (non-empty) `sample`."""
         self._weight *= self._decay ** len(fps)
         if self._weight < 1e-100:
             self._rescale()

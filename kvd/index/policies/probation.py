@@ -65,7 +65,7 @@ def always(slot: int) -> bool:
 
 def fingerprint(key: Key) -> int:
     """The 32-bit fingerprint of a key: deterministic across processes (unlike `hash`),
-    so the shadows sample the same keys on every run."""
+    so the miniatures sample the same keys on every run."""
     return zlib.crc32(key)
 
 
