@@ -132,8 +132,12 @@ class Server:
             observe(service.last_type.__name__, time.monotonic() - now)
         else:
             asyncio.get_running_loop().call_soon(self._drain)
-        # Replies are out; now the work the policies kept off the request path.
-        service.settle()
+        # Replies are out; now the work the policies kept off the request path,
+        # a step at a time, until a request waits.
+        while service.settle():
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                asyncio.get_running_loop().call_soon(self._drain)
+                break
         self._publish()
 
     def _publish(self) -> None:

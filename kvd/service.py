@@ -116,10 +116,13 @@ class Service:
             self._end_session(session)
         self._apply(self.jobs.expire(now))
 
-    def settle(self) -> None:
-        """Idle work of the pools' policies (the server calls it once the socket is drained)."""
+    def settle(self) -> bool:
+        """One step of each pool's idle work (the server calls it once the socket is
+        drained); True while more remains."""
+        more = False
         for pool in self.pools:
-            pool.index.settle()
+            more |= pool.index.settle()
+        return more
 
     def collect_events(self) -> None:
         """Moves the pools' index events to `event_outbox` (the server publishes them)."""

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     flags = {"log-level": "warning", "max-total-bytes": "256MiB"}
+    if args.policy is not None:
+        flags["policy"] = args.policy
     with DaemonProcess(base=flags) as daemon:
         with Scheduler(
             "bench-rpc",

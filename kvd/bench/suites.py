@@ -126,6 +126,11 @@ def _rpc_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="lookups per client and per server (default: 5000)",
     )
+    p.add_argument(
+        "--policy",
+        choices=["lru", "arc", "adaptive"],
+        help="the pool's eviction policy (default: the daemon's default)",
+    )
 
 
 def _mla_arguments(p: argparse.ArgumentParser) -> None:

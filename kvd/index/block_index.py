@@ -216,13 +216,14 @@ class BlockIndex:
         events, self._events = self._events, []
         return events
 
-    def settle(self) -> None:
-        """Lets the policy do work it kept off the latency path; call when idle.
+    def settle(self) -> bool:
+        """One step of the work the policy kept off the latency path; True while
+        more remains. Call when idle.
 
         Never changes what the verbs answer: a policy that defers work catches
         up by itself before it next inserts or evicts.
         """
-        self.policy.settle()
+        return self.policy.settle()
 
     def reset(self) -> None:
         """Drops every block, pinned or in flight, and any undrained event."""

@@ -25,7 +25,7 @@ from kvd.bench.conversation import conversation
 from kvd.bench.replay import load_trace, replay
 from kvd.index import BlockIndex, OffloadingEvent
 from kvd.index.policies import POLICIES, SlotPredicate, make_policy
-from kvd.index.policies.adaptive import MAX_PENDING, AdaptivePolicy
+from kvd.index.policies.adaptive import MAX_PENDING_KEYS, AdaptivePolicy
 from kvd.index.policies.doorkeeper import Doorkeeper
 from kvd.index.policies.fingerprint_map import FingerprintMap
 from kvd.index.policies.miniature import EXPERTS, START, Miniature, Miniatures
@@ -328,8 +328,9 @@ def test_lookups_choose_the_behaviour() -> None:
 
 
 def test_lookups_wait_for_the_next_store_and_decide_the_same() -> None:
-    """A lookup only samples its keys; the miniatures replay them before the next
-    insert or eviction (or once MAX_PENDING wait): same choice, cheap lookups."""
+    """A lookup only queues its keys; the miniatures replay them before the next
+    insert or eviction, when the daemon is idle, or once too many keys wait:
+    same choice, cheap lookups."""
     idx = BlockIndex(64, "adaptive")
     policy = idx.policy
     assert isinstance(policy, AdaptivePolicy)
@@ -349,20 +350,22 @@ def test_lookups_wait_for_the_next_store_and_decide_the_same() -> None:
             assert policy.miniatures.scores == direct.scores
             assert policy.miniatures.choice == direct.choice
     assert policy.alpha == 0.0
-    for _ in range(MAX_PENDING - 1):  # lookups alone: they wait, up to a bound
+    bound = MAX_PENDING_KEYS // len(hot)
+    for _ in range(bound):  # lookups alone: they wait, up to a bound
         idx.lookup(hot)
     assert policy.miniatures.scores == direct.scores
-    idx.lookup(hot)
-    assert policy.miniatures.scores != direct.scores
     assert idx.check_invariants() == []
-    for _ in range(MAX_PENDING):
+    idx.lookup(hot)  # one too many: all are replayed
+    for _ in range(bound + 1):
         direct.observe(hot)
-    for _ in range(3):  # the daemon's idle hook replays what waits
+    assert policy.miniatures.scores == direct.scores
+    for _ in range(3):  # the daemon's idle hook replays them one by one
         idx.lookup(hot)
         direct.observe(hot)
     assert policy.miniatures.scores != direct.scores
-    idx.settle()
+    assert [idx.settle() for _ in range(4)] == [True, True, False, False]
     assert policy.miniatures.scores == direct.scores
+    assert idx.check_invariants() == []
 
 
 # -- the fingerprint map --------------------------------------------------------------

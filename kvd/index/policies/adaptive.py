@@ -9,7 +9,7 @@ order; see `kvd.index.policies.probation`) whose behaviour, the pair (alpha,
 memory), is chosen online by miniature simulations of the same rules
 (`kvd.index.policies.miniature`):
 
-    lookup(keys) --sampled keys--> (waiting, up to MAX_PENDING lookups)
+    lookup(keys) --its keys------> (waiting, up to MAX_PENDING_KEYS keys)
                  ----------------> Miniatures: one ProbationCache per
                                    behaviour of EXPERTS, at sample scale,
                                    scored by their recent prefix hits
@@ -23,12 +23,13 @@ memory), is chosen online by miniature simulations of the same rules
 
 Lookups drive the miniatures (SPEC section 4: `lookup` counts for
 admission), so the choice follows the requests the engine makes, hits and
-misses alike. A lookup only samples its keys; the miniatures replay the
-waiting samples, in order, before the next insert or eviction (the verbs the
-choice steers, so they decide exactly as if replayed at once), when the
-daemon is idle (`settle`, once its replies are out), or when MAX_PENDING
-wait. Until the miniatures tell the behaviours apart, the
-choice is EXPERTS[START].
+misses alike. A lookup only queues its keys (O(1) on the latency path);
+the miniatures sample and replay the waiting lookups, in order, before the
+next insert or eviction (the verbs the choice steers, so they decide exactly
+as if replayed at once), one by one while the daemon is idle (`settle`,
+once its replies are out and until a request waits), or all at once when
+more than MAX_PENDING_KEYS keys wait. Until the miniatures tell the
+behaviours apart, the choice is EXPERTS[START].
 
 Per key: O(1) for the real cache, plus O(len(EXPERTS)) per sampled key for
 the miniatures; memory per slot at 1,000,000 slots: 67 bytes for the real
@@ -37,13 +38,14 @@ cache, 19 for the miniatures (see their module docs).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 
 from kvd.index.policies.base import Key, SlotPredicate
 from kvd.index.policies.miniature import EXPERTS, START, Miniatures
 from kvd.index.policies.probation import LONG, SHORT, ProbationCache
 
-MAX_PENDING = 64  # sampled lookups waiting for the miniatures, at most
+MAX_PENDING_KEYS = 4096  # keys of the lookups waiting for the miniatures, at most
 
 
 class AdaptivePolicy(ProbationCache):
@@ -53,17 +55,17 @@ class AdaptivePolicy(ProbationCache):
         alpha, memory = EXPERTS[START]
         super().__init__(capacity, is_ready, is_evictable, alpha, memory, (SHORT, LONG))
         self.miniatures = Miniatures(capacity)
-        self._pending: list[list[int]] = []
+        self._pending: deque[tuple[Key, ...]] = deque()
+        self._pending_keys = 0
 
     def record_lookup(self, keys: Sequence[Key]) -> None:
-        # A lookup only samples its keys; the miniatures replay them before the
-        # next insert or eviction, the only verbs the choice steers, so that a
-        # lookup (the latency-critical verb) pays little and decides the same.
-        sample = self.miniatures.sample(keys)
-        if sample:
-            self._pending.append(sample)
-            if len(self._pending) >= MAX_PENDING:
-                self._decide()
+        # A lookup only queues its keys; the miniatures sample and replay them
+        # before the next insert or eviction, the only verbs the choice steers,
+        # so a lookup (the latency-critical verb) pays O(1) and decides the same.
+        self._pending.append(tuple(keys))
+        self._pending_keys += len(keys)
+        if self._pending_keys > MAX_PENDING_KEYS:
+            self._decide()
 
     def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         if self._pending:
@@ -75,27 +77,37 @@ class AdaptivePolicy(ProbationCache):
             self._decide()
         return super().evict(n, protected)
 
-    def settle(self) -> None:
+    def settle(self) -> bool:
+        """Replays the oldest waiting lookup; True while more wait."""
         if self._pending:
-            self._decide()
+            self._replay_oldest()
+            self.alpha, self.memory = EXPERTS[self.miniatures.choice]
+        return bool(self._pending)
 
     def _decide(self) -> None:
-        observe = self.miniatures.observe_sample
-        for sample in self._pending:
-            observe(sample)
-        self._pending.clear()
+        while self._pending:
+            self._replay_oldest()
         self.alpha, self.memory = EXPERTS[self.miniatures.choice]
+
+    def _replay_oldest(self) -> None:
+        keys = self._pending.popleft()
+        self._pending_keys -= len(keys)
+        sample = self.miniatures.sample(keys)
+        if sample:
+            self.miniatures.observe_sample(sample)
 
     def clear(self) -> None:
         super().clear()
         self.miniatures.clear()
         self._pending.clear()
+        self._pending_keys = 0
         self.alpha, self.memory = EXPERTS[START]
 
     def check_invariants(self) -> list[str]:
         problems = super().check_invariants() + self.miniatures.check()
         if (self.alpha, self.memory) != EXPERTS[self.miniatures.choice]:
             problems.append(f"alpha {self.alpha}, memory {self.memory}: not the choice")
-        if len(self._pending) >= MAX_PENDING:
-            problems.append(f"{len(self._pending)} lookups wait for the miniatures")
+        waiting = sum(map(len, self._pending))
+        if waiting != self._pending_keys or waiting > MAX_PENDING_KEYS:
+            problems.append(f"{waiting} keys wait ({self._pending_keys} counted)")
         return problems

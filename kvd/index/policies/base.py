@@ -98,8 +98,10 @@ class CachePolicy(ABC):
     def record_lookup(self, keys: Sequence[Key]) -> None:  # noqa: B027 - optional hook
         """Sees the keys of a `lookup` (admission signal). Default: ignores them."""
 
-    def settle(self) -> None:  # noqa: B027 - optional hook
-        """Does work kept off the latency path (the daemon calls it when idle). Default: none."""
+    def settle(self) -> bool:
+        """One step of work kept off the latency path (the daemon calls it when idle);
+        True while more remains. Default: none."""
+        return False
 
     def _victims(self, candidates: Iterator[int], protected: Collection[int], n: int) -> list[int]:
         """The next (up to) `n` slots of `candidates` that may be evicted, in order;
