@@ -33,6 +33,11 @@ TEST_FLAGS = {
 }
 
 
+# A private daemon of a bench or of the demo: quiet, and off the metrics port,
+# which a daemon already serving this host may hold.
+PRIVATE_FLAGS = {"log-level": "warning", "metrics-addr": "none"}
+
+
 class DaemonProcess:
     def __init__(
         self, base: dict[str, str] | None = None, env: dict[str, str] | None = None, **flags: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvd.launcher import DaemonProcess
+from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 
 SLOT_BYTES = 64 << 10
 NUM_BLOCKS = 32
@@ -69,7 +69,7 @@ def _measure(endpoint: str, world_size: int, replicated: bool) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    with DaemonProcess(base={"log-level": "warning", "max-total-bytes": "1GiB"}) as daemon:
+    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "1GiB"}) as daemon:
         for world_size in args.world_sizes:
             for replicated in (True, False):
                 rows.append(_measure(daemon.endpoint, world_size, replicated))

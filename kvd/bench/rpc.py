@@ -5,6 +5,11 @@ pyzmq ROUTER echo server. N client processes then send the same frames to
 each: `Scheduler.lookup` of 64 keys (encode, send, daemon decode + index
 lookup + encode, receive, decode) versus sending the encoded `Lookup` frame
 to the echo server and receiving it back. `ratio` = p50 / echo p50.
+
+By default every lookup is the same 64 keys, which a scheduler polling a
+waiting request sends. `--distinct` cycles through 32 different lookups, all
+stored, so the adaptive policy's simulations (run by the daemon between
+requests) get new work on every lookup.
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ import time
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
-from kvd.launcher import DaemonProcess
+from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 
 NUM_KEYS = 64
 LAYOUT_ARGS = ("bench-rpc", "bfloat16", 16, 1, False, 4096)
 
 
-def _keys() -> list[bytes]:
-    return [i.to_bytes(8, "big") for i in range(NUM_KEYS)]
+# With --distinct, clients cycle through this many different 64-key lookups.
+NUM_WINDOWS = 32
+
+
+def _keys(window: int = 0) -> list[bytes]:
+    first = window * NUM_KEYS
+    return [i.to_bytes(8, "big") for i in range(first, first + NUM_KEYS)]
 
 
 def _echo_server(endpoint: str, ready: Any) -> None:
@@ -37,19 +47,21 @@ def _echo_server(endpoint: str, ready: Any) -> None:
         sock.send_multipart(sock.recv_multipart())
 
 
-def _client(mode: str, endpoint: str, ops: int, barrier: Barrier, out: Any) -> None:
+def _client(mode: str, endpoint: str, ops: int, windows: int, barrier: Barrier, out: Any) -> None:
     from kvd_client import Layout, Scheduler
     from kvd_client import protocol as p
 
     keys = _keys()
+    lookups = [_keys(w) for w in range(windows)]
     samples = []
     if mode == "kvd":
         s = Scheduler("bench-rpc", Layout(*LAYOUT_ARGS), engine_id="rpc", endpoint=endpoint)
-        for _ in range(200):
-            s.lookup(keys)
+        for i in range(200):
+            s.lookup(lookups[i % windows])
         barrier.wait()
         t0 = time.monotonic()
-        for _ in range(ops):
+        for i in range(ops):
+            keys = lookups[i % windows]
             a = time.perf_counter_ns()
             hits = s.lookup(keys)
             samples.append(time.perf_counter_ns() - a)
@@ -78,12 +90,14 @@ def _client(mode: str, endpoint: str, ops: int, barrier: Barrier, out: Any) -> N
     out.put((t0, t1, samples))
 
 
-def _measure(mode: str, endpoint: str, clients: int, ops: int) -> tuple[float, float, float]:
+def _measure(
+    mode: str, endpoint: str, clients: int, ops: int, windows: int = 1
+) -> tuple[float, float, float]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(clients)
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_client, args=(mode, endpoint, ops, barrier, out))
+        ctx.Process(target=_client, args=(mode, endpoint, ops, windows, barrier, out))
         for _ in range(clients)
     ]
     for proc in procs:
@@ -106,7 +120,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvd_client import Layout, Scheduler
 
     rows = []
-    flags = {"log-level": "warning", "max-total-bytes": "256MiB"}
+    windows = NUM_WINDOWS if args.distinct else 1
+    flags = {**PRIVATE_FLAGS, "max-total-bytes": "256MiB"}
     if args.policy is not None:
         flags["policy"] = args.policy
     with DaemonProcess(base=flags) as daemon:
@@ -117,8 +132,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             endpoint=daemon.endpoint,
             capacity_bytes=16 << 20,
         ) as s:
-            s.prepare_store(_keys())
-            s.complete_store(_keys())
+            for window in range(windows):
+                s.prepare_store(_keys(window))
+                s.complete_store(_keys(window))
         echo_endpoint = f"ipc://{daemon.runtime_dir / 'echo.sock'}"
         ctx = mp.get_context("spawn")
         ready = ctx.Event()
@@ -128,7 +144,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if not ready.wait(30):
                 raise RuntimeError("the echo server did not start")
             for clients in args.clients:
-                p50, p99, rate = _measure("kvd", daemon.endpoint, clients, args.ops)
+                p50, p99, rate = _measure("kvd", daemon.endpoint, clients, args.ops, windows)
                 e50, _, _ = _measure("echo", echo_endpoint, clients, args.ops)
                 rows.append(
                     {

@@ -131,6 +131,11 @@ def _rpc_arguments(p: argparse.ArgumentParser) -> None:
         choices=["lru", "arc", "adaptive"],
         help="the pool's eviction policy (default: the daemon's default)",
     )
+    p.add_argument(
+        "--distinct",
+        action="store_true",
+        help="cycle through 32 different lookups instead of repeating one",
+    )
 
 
 def _mla_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from kvd.demo.block_manager import blocks_for
 from kvd.demo.engine import Engine, EngineConfig
 from kvd.demo.model import ModelConfig, Variant
 from kvd.demo.workload import random_prompts
-from kvd.launcher import DaemonProcess
+from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 
 
 def _pass(
@@ -92,7 +92,7 @@ def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> li
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     variants: list[Variant] = ["mha", "mla"] if args.variant == "both" else [args.variant]
     rows: list[dict[str, Any]] = []
-    with DaemonProcess(base={"log-level": "warning", "max-total-bytes": "2GiB"}) as daemon:
+    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "2GiB"}) as daemon:
         for variant in variants:
             rows += run_variant(variant, daemon.endpoint, args)
     if args.png is not None:

@@ -30,7 +30,7 @@ from kvd.demo import add_arguments
 from kvd.demo.engine import Engine, EngineConfig, EngineError
 from kvd.demo.model import ModelConfig, Variant
 from kvd.demo.workload import Turn, chat_workload
-from kvd.launcher import DaemonProcess
+from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError
@@ -95,7 +95,7 @@ def daemon_endpoint(endpoint: str | None, pools: Sequence[str]) -> Iterator[str]
         return
     if given:
         raise KvdError(f"no kvd daemon answers at {endpoint}")
-    with DaemonProcess(base={"log-level": "warning", "max-total-bytes": "1GiB"}) as daemon:
+    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "1GiB"}) as daemon:
         print(f"kvd demo: started a daemon at {daemon.endpoint} (stopped at the end)")
         yield daemon.endpoint
 

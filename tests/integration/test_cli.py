@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvd.launcher import DaemonProcess
 
 
@@ -106,3 +108,28 @@ def test_declared_pool_from_config(tmp_path: Path) -> None:
         assert (pool["name"], pool["policy"], pool["num_blocks"]) == ("declared", "arc", 256)
     finally:
         d.stop()
+
+
+def test_bench_rpc_distinct_lookups_beside_a_daemon_on_the_metrics_port(tmp_path: Path) -> None:
+    """The bench's private daemon stays off the metrics port a host daemon may hold."""
+    import socket
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 9464))  # stand in for the host's own kvd
+        holder.listen()
+    except OSError:
+        pass  # something already holds it: just as good
+    try:
+        out_json = tmp_path / "rpc.json"
+        out = kvd(
+            "bench", "rpc", "--clients", "1", "--ops", "300", "--distinct",
+            "--policy", "adaptive", "--json", str(out_json),
+            timeout=180,
+        )  # fmt: skip
+    finally:
+        holder.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["clients"] == 1 and row["p50_us"] > 0 and row["echo_p50_us"] > 0
+    assert row["ratio"] == pytest.approx(row["p50_us"] / row["echo_p50_us"], rel=0.01)

@@ -350,22 +350,49 @@ def test_lookups_wait_for_the_next_store_and_decide_the_same() -> None:
             assert policy.miniatures.scores == direct.scores
             assert policy.miniatures.choice == direct.choice
     assert policy.alpha == 0.0
+    # Lookups alone (a different one each time): they wait, up to a bound.
+    polls = [hot[i:] + hot[:i] for i in range(len(hot))]
     bound = MAX_PENDING_KEYS // len(hot)
-    for _ in range(bound):  # lookups alone: they wait, up to a bound
-        idx.lookup(hot)
+    for i in range(bound):
+        idx.lookup(polls[i % len(polls)])
     assert policy.miniatures.scores == direct.scores
     assert idx.check_invariants() == []
-    idx.lookup(hot)  # one too many: all are replayed
-    for _ in range(bound + 1):
-        direct.observe(hot)
+    idx.lookup(polls[bound % len(polls)])  # one too many: all are replayed
+    for i in range(bound + 1):
+        direct.observe(polls[i % len(polls)])
     assert policy.miniatures.scores == direct.scores
-    for _ in range(3):  # the daemon's idle hook replays them one by one
-        idx.lookup(hot)
-        direct.observe(hot)
+    for i in range(1, 4):  # the daemon's idle hook replays them one by one
+        idx.lookup(polls[i])
+        direct.observe(polls[i])
     assert policy.miniatures.scores != direct.scores
     assert [idx.settle() for _ in range(4)] == [True, True, False, False]
     assert policy.miniatures.scores == direct.scores
     assert idx.check_invariants() == []
+
+
+def test_a_lookup_asked_again_counts_once_until_something_is_inserted() -> None:
+    """A scheduler asks about a waiting request again each step: one request."""
+    idx = BlockIndex(64, "adaptive")
+    policy = idx.policy
+    assert isinstance(policy, AdaptivePolicy)
+    direct = Miniatures(64)
+    keys = [b"w%d" % i for i in range(40)]
+    for _ in range(5):
+        idx.lookup(keys)
+    direct.observe(keys)
+    idx.settle()
+    assert policy.miniatures.scores == direct.scores and not idx.settle()
+    out = idx.prepare_store(keys)
+    assert out is not None
+    idx.complete_store(out.keys_to_store)
+    idx.lookup(keys)  # after an insert: a request again
+    direct.observe(keys)
+    idx.lookup(keys[:39])  # different keys: another request
+    direct.observe(keys[:39])
+    while idx.settle():
+        pass
+    assert policy.miniatures.scores == direct.scores
+    assert policy.miniatures.scores != [0.0] * len(EXPERTS)
 
 
 # -- the fingerprint map --------------------------------------------------------------

@@ -28,8 +28,11 @@ the miniatures sample and replay the waiting lookups, in order, before the
 next insert or eviction (the verbs the choice steers, so they decide exactly
 as if replayed at once), one by one while the daemon is idle (`settle`,
 once its replies are out and until a request waits), or all at once when
-more than MAX_PENDING_KEYS keys wait. Until the miniatures tell the
-behaviours apart, the choice is EXPERTS[START].
+more than MAX_PENDING_KEYS keys wait. A lookup of the same keys as the
+previous one, with nothing inserted since, is not queued: it is a scheduler
+asking again about a request that still waits, one request to the
+miniatures. Until the miniatures tell the behaviours apart, the choice is
+EXPERTS[START].
 
 Per key: O(1) for the real cache, plus O(len(EXPERTS)) per sampled key for
 the miniatures; memory per slot at 1,000,000 slots: 67 bytes for the real
@@ -57,12 +60,20 @@ class AdaptivePolicy(ProbationCache):
         self.miniatures = Miniatures(capacity)
         self._pending: deque[tuple[Key, ...]] = deque()
         self._pending_keys = 0
+        self._last_lookup: tuple[Key, ...] = ()
 
     def record_lookup(self, keys: Sequence[Key]) -> None:
         # A lookup only queues its keys; the miniatures sample and replay them
         # before the next insert or eviction, the only verbs the choice steers,
         # so a lookup (the latency-critical verb) pays O(1) and decides the same.
-        self._pending.append(tuple(keys))
+        lookup = tuple(keys)
+        if lookup == self._last_lookup:
+            # The same keys again with nothing inserted since: an engine's
+            # scheduler asking again about a request still waiting to run. It
+            # is one request, so the miniatures see it once.
+            return
+        self._last_lookup = lookup
+        self._pending.append(lookup)
         self._pending_keys += len(keys)
         if self._pending_keys > MAX_PENDING_KEYS:
             self._decide()
@@ -70,6 +81,7 @@ class AdaptivePolicy(ProbationCache):
     def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         if self._pending:
             self._decide()
+        self._last_lookup = ()
         super().insert(slots, keys)
 
     def evict(self, n: int, protected: Collection[int]) -> list[int] | None:
@@ -101,6 +113,7 @@ class AdaptivePolicy(ProbationCache):
         self.miniatures.clear()
         self._pending.clear()
         self._pending_keys = 0
+        self._last_lookup = ()
         self.alpha, self.memory = EXPERTS[START]
 
     def check_invariants(self) -> list[str]:
