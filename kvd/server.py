@@ -33,6 +33,10 @@ from kvd_client.protocol import MAX_FRAME_BYTES, Layout
 log = logging.getLogger("kvd.server")
 
 
+# Deferred policy work starts once the daemon has had no request for this long.
+IDLE_S = 0.001
+
+
 class Server:
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
@@ -44,6 +48,8 @@ class Server:
         self.service: Service | None = None
         self.publisher: EventPublisher | None = None
         self.metrics = Metrics()
+        self._last_request = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     # -- startup ---------------------------------------------------------------
 
@@ -132,13 +138,30 @@ class Server:
             observe(service.last_type.__name__, time.monotonic() - now)
         else:
             asyncio.get_running_loop().call_soon(self._drain)
-        # Replies are out; now the work the policies kept off the request path,
-        # a step at a time, until a request waits.
+        # The work the policies kept off the request path waits for an idle
+        # daemon: between the requests of a busy client it would compete with
+        # their replies for the cores.
+        self._last_request = time.monotonic()
+        if self._idle_timer is None and service.has_idle_work():
+            self._idle_timer = asyncio.get_running_loop().call_later(IDLE_S, self._when_idle)
+        self._publish()
+
+    def _when_idle(self) -> None:
+        """Does the policies' deferred work, a step at a time, once no request
+        came for IDLE_S, and until one waits."""
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        loop = asyncio.get_running_loop()
+        self._idle_timer = None
+        if time.monotonic() - self._last_request < IDLE_S:
+            # Not idle yet: look again a whole IDLE_S later (the loop's timers
+            # have 1 ms resolution, so a shorter wait would spin).
+            self._idle_timer = loop.call_later(IDLE_S, self._when_idle)
+            return
         while service.settle():
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                asyncio.get_running_loop().call_soon(self._drain)
+                loop.call_soon(self._drain)
                 break
-        self._publish()
 
     def _publish(self) -> None:
         """Sends the index events of this loop turn: one batch per pool."""

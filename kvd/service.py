@@ -117,12 +117,15 @@ class Service:
         self._apply(self.jobs.expire(now))
 
     def settle(self) -> bool:
-        """One step of each pool's idle work (the server calls it once the socket is
-        drained); True while more remains."""
+        """One step of each pool's idle work (the server calls it once no request
+        came for a while); True while more remains."""
         more = False
         for pool in self.pools:
             more |= pool.index.settle()
         return more
+
+    def has_idle_work(self) -> bool:
+        return any(pool.index.has_idle_work() for pool in self.pools)
 
     def collect_events(self) -> None:
         """Moves the pools' index events to `event_outbox` (the server publishes them)."""

@@ -225,6 +225,10 @@ class BlockIndex:
         """
         return self.policy.settle()
 
+    def has_idle_work(self) -> bool:
+        """Whether `settle` has anything to do."""
+        return self.policy.has_idle_work()
+
     def reset(self) -> None:
         """Drops every block, pinned or in flight, and any undrained event."""
         n = self.num_blocks

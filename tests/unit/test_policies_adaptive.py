@@ -377,11 +377,13 @@ def test_a_lookup_asked_again_counts_once_until_something_is_inserted() -> None:
     assert isinstance(policy, AdaptivePolicy)
     direct = Miniatures(64)
     keys = [b"w%d" % i for i in range(40)]
+    assert not idx.has_idle_work()
     for _ in range(5):
         idx.lookup(keys)
+    assert idx.has_idle_work()
     direct.observe(keys)
-    idx.settle()
-    assert policy.miniatures.scores == direct.scores and not idx.settle()
+    assert not idx.settle() and not idx.has_idle_work()
+    assert policy.miniatures.scores == direct.scores
     out = idx.prepare_store(keys)
     assert out is not None
     idx.complete_store(out.keys_to_store)

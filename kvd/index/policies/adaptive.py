@@ -27,8 +27,8 @@ misses alike. A lookup only queues its keys (O(1) on the latency path);
 the miniatures sample and replay the waiting lookups, in order, before the
 next insert or eviction (the verbs the choice steers, so they decide exactly
 as if replayed at once), one by one while the daemon is idle (`settle`,
-once its replies are out and until a request waits), or all at once when
-more than MAX_PENDING_KEYS keys wait. A lookup of the same keys as the
+after 1 ms without requests and until a request waits), or all at once
+when more than MAX_PENDING_KEYS keys wait. A lookup of the same keys as the
 previous one, with nothing inserted since, is not queued: it is a scheduler
 asking again about a request that still waits, one request to the
 miniatures. Until the miniatures tell the behaviours apart, the choice is
@@ -48,7 +48,7 @@ from kvd.index.policies.base import Key, SlotPredicate
 from kvd.index.policies.miniature import EXPERTS, START, Miniatures
 from kvd.index.policies.probation import LONG, SHORT, ProbationCache
 
-MAX_PENDING_KEYS = 4096  # keys of the lookups waiting for the miniatures, at most
+MAX_PENDING_KEYS = 1024  # keys of the lookups waiting for the miniatures, at most
 
 
 class AdaptivePolicy(ProbationCache):
@@ -94,6 +94,9 @@ class AdaptivePolicy(ProbationCache):
         if self._pending:
             self._replay_oldest()
             self.alpha, self.memory = EXPERTS[self.miniatures.choice]
+        return bool(self._pending)
+
+    def has_idle_work(self) -> bool:
         return bool(self._pending)
 
     def _decide(self) -> None:

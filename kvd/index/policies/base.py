@@ -103,6 +103,10 @@ class CachePolicy(ABC):
         True while more remains. Default: none."""
         return False
 
+    def has_idle_work(self) -> bool:
+        """Whether `settle` has anything to do."""
+        return False
+
     def _victims(self, candidates: Iterator[int], protected: Collection[int], n: int) -> list[int]:
         """The next (up to) `n` slots of `candidates` that may be evicted, in order;
         the iterator stops right after the last one, so a later call resumes there."""
