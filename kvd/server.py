@@ -252,6 +252,9 @@ class Server:
 
     def shutdown(self) -> None:
         """Fails in-flight jobs, tells their schedulers, unlinks every segment."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self.service is not None:
             self.service.shutdown()
         if self._control is not None and self.service is not None:
