@@ -160,13 +160,15 @@ def _plain(x: Any) -> Any:
 
 def _pools_table(pools: list[Any]) -> str:
     rows = [
-        "| pool | model | world | repl | blocks | ready | in flight | pinned | free | GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| pool | model | world | repl | policy | blocks | ready | in flight | pinned | free "
+        "| GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pi in pools:
         rows.append(
             f"| {pi.name} | {pi.layout.model} | {pi.layout.world_size} | "
-            f"{'yes' if pi.layout.replicated else 'no'} | {pi.num_blocks} | {pi.blocks_ready} | "
+            f"{'yes' if pi.layout.replicated else 'no'} | {pi.policy} | {pi.num_blocks} | "
+            f"{pi.blocks_ready} | "
             f"{pi.blocks_in_flight} | {pi.blocks_pinned} | {pi.blocks_free} | "
             f"{pi.capacity_bytes / (1 << 30):.2f} |"
         )

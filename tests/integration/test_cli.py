@@ -76,7 +76,7 @@ def test_client_commands(daemon: DaemonProcess) -> None:
         s.prepare_store([b"a", b"b"])
         s.complete_store([b"a", b"b"])
         out = kvd("pools", "--endpoint", daemon.endpoint)
-        assert out.returncode == 0 and "| cli |" in out.stdout
+        assert out.returncode == 0 and "| cli | m | 1 | no | adaptive | 256 | 2 |" in out.stdout
         out = kvd("stats", "--runtime-dir", rt, "--json")
         stats = json.loads(out.stdout)
         (pool,) = stats["pools"]
