@@ -114,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _client_command(args: argparse.Namespace) -> int:
     from kvd_client import protocol as p
     from kvd_client.errors import KvdError
+    from kvd_client.paths import read_admin_token, runtime_dir_of
 
     try:
         conn = _admin(args)
@@ -137,7 +138,11 @@ def _client_command(args: argparse.Namespace) -> int:
                 case "pools":
                     print(_pools_table(conn.call(p.Pools).pools))
                 case "pool":
-                    conn.call(p.DropPool, args.name)
+                    # The operator token, when this user may read it; without
+                    # it the daemon answers with an error that says where it is.
+                    runtime = args.runtime_dir or runtime_dir_of(conn.endpoint)
+                    token = read_admin_token(runtime) if runtime else ""
+                    conn.call(p.DropPool, args.name, token)
                     print(f"pool {args.name} dropped")
         finally:
             conn.close()

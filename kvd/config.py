@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kvd_client.paths import default_runtime_dir
+from kvd_client.paths import ADMIN_TOKEN_FILE, default_runtime_dir
 from kvd_client.protocol import MAX_NAME_CHARS
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvd/kvd.toml")
@@ -78,6 +78,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     @property
     def control_socket(self) -> Path:
         return self.runtime_path / "control.sock"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.runtime_path / ADMIN_TOKEN_FILE
 
 
 # Keys that take a flag (all but the pool table).

@@ -21,6 +21,7 @@ import posix_ipc
 
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError
+from kvd_client.paths import read_admin_token
 
 # Short leases and timeouts so that tests see rollbacks quickly.
 TEST_FLAGS = {
@@ -57,6 +58,11 @@ class DaemonProcess:
     @property
     def socket_path(self) -> Path:
         return self.runtime_dir / "control.sock"
+
+    @property
+    def admin_token(self) -> str:
+        """The operator token `DropPool` needs (readable: tests run as its owner)."""
+        return read_admin_token(self.runtime_dir)
 
     @property
     def lease_s(self) -> float:

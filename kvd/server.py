@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -31,6 +32,17 @@ from kvd.version import __version__
 from kvd_client.protocol import MAX_FRAME_BYTES, Layout
 
 log = logging.getLogger("kvd.server")
+
+
+def write_admin_token(path: Path) -> str:
+    """A fresh operator token in `path`, readable by this user (and root) only."""
+    token = secrets.token_hex(16)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # never reuse a file someone else may have made
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
 
 
 # Deferred policy work starts once the daemon has had no request for this long.
@@ -66,7 +78,7 @@ class Server:
         if stale:
             log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
         self.pools = PoolRegistry(cfg, manifest, gid)
-        self.service = Service(cfg, self.pools)
+        self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
         for pc in cfg.pools:
             layout = Layout(
                 pc.model,
@@ -272,6 +284,8 @@ class Server:
             self._control.close(linger=min(self.config.shutdown_timeout_ms, 1000))
             with contextlib.suppress(FileNotFoundError):
                 Path(self.config.control_socket).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.admin_token_file.unlink()
         if self._ctx is not None:
             self._ctx.term()
         log.info("event=shutdown_complete")

@@ -7,6 +7,7 @@ come in as `now` (seconds), so every rule here is testable without sockets.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections import Counter
@@ -63,9 +64,12 @@ def salvage_req_id(frame: bytes) -> int:
 
 
 class Service:
-    def __init__(self, config: Config, pools: PoolRegistry) -> None:
+    def __init__(self, config: Config, pools: PoolRegistry, admin_token: str) -> None:
         self.config = config
         self.pools = pools
+        # DropPool must carry it: engines share the group that opens the socket,
+        # but only the service user and root can read the token's file.
+        self._admin_token = admin_token.encode()
         self.sessions = SessionTable(config.lease_ms / 1000)
         self.jobs = JobTable(config.job_timeout_ms / 1000)
         self.counters: Counter[str] = Counter()
@@ -178,6 +182,12 @@ class Service:
             case p.Pools():
                 return p.PoolsResult(req.req_id, [pool.info() for pool in self.pools])
             case p.DropPool():
+                if not hmac.compare_digest(req.token.encode(), self._admin_token):
+                    raise KvdError(
+                        f"DropPool needs the operator token in {self.config.admin_token_file}, "
+                        "which the service user and root can read (`kvd pool drop` sends it)",
+                        ErrorCode.WRONG_ROLE,
+                    )
                 self._drop(req.pool)
                 return p.Ok(req.req_id)
             case p.Reset():

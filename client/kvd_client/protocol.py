@@ -132,7 +132,11 @@ class Pools(_Msg, frozen=True):
 
 
 class DropPool(_Msg, frozen=True):
+    """Frees a pool. Only for the daemon's operators: `token` must be the one in
+    `<runtime_dir>/admin.token`, which only the service user and root can read."""
+
     pool: str
+    token: str = ""
 
 
 class Reset(_Msg, frozen=True):

@@ -33,8 +33,8 @@ from kvd.demo.workload import Turn, chat_workload
 from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
-from kvd_client.errors import KvdError
-from kvd_client.paths import control_endpoint, default_endpoint
+from kvd_client.errors import ErrorCode, KvdError
+from kvd_client.paths import control_endpoint, default_endpoint, read_admin_token, runtime_dir_of
 
 MAX_ABS_DIFF = 1e-4
 _POOL_BYTES = {False: 256 << 20, True: 32 << 20}  # by --quick
@@ -64,12 +64,26 @@ def _answers(endpoint: str) -> bool:
 
 
 def _drop_pools(endpoint: str, pools: Sequence[str]) -> None:
+    """Drops the demo's pools; without the operator token, empties them instead."""
+    runtime = runtime_dir_of(endpoint)
+    token = read_admin_token(runtime) if runtime is not None else ""
     conn = Connection(endpoint, role="admin", keeper=False, timeout_ms=2000)
     try:
         conn.connect()
         for pool in pools:
-            with contextlib.suppress(KvdError):  # NO_SUCH_POOL: nothing to drop
-                conn.call(p.DropPool, pool)
+            try:
+                conn.call(p.DropPool, pool, token)
+            except KvdError as exc:
+                if exc.code == ErrorCode.NO_SUCH_POOL:
+                    continue  # nothing to drop
+                if exc.code != ErrorCode.WRONG_ROLE:
+                    raise
+                print(f"kvd demo: cannot drop pool {pool} ({exc}); emptying it instead")
+                try:
+                    conn.call(p.Reset, pool)
+                except KvdError as reset_exc:
+                    if reset_exc.code != ErrorCode.NO_SUCH_POOL:
+                        raise
     except KvdError as exc:
         print(f"kvd demo: could not drop pools {list(pools)}: {exc}", file=sys.stderr)
     finally:

@@ -73,9 +73,15 @@ def test_layout_mismatch_reuse_and_drop(daemon: DaemonProcess) -> None:
         shm = a.attached.shm_name
     conn = admin(daemon)
     try:
-        conn.call(p.DropPool, "p")
-        with pytest.raises(KvdError) as err:
+        with pytest.raises(KvdError) as err:  # a group member without the token
             conn.call(p.DropPool, "p")
+        assert err.value.code == ErrorCode.WRONG_ROLE and "admin.token" in str(err.value)
+        with pytest.raises(KvdError) as err:
+            conn.call(p.DropPool, "p", "not-the-token")
+        assert err.value.code == ErrorCode.WRONG_ROLE
+        conn.call(p.DropPool, "p", daemon.admin_token)
+        with pytest.raises(KvdError) as err:
+            conn.call(p.DropPool, "p", daemon.admin_token)
         assert err.value.code == ErrorCode.NO_SUCH_POOL
     finally:
         conn.close()

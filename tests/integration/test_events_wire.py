@@ -218,7 +218,7 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
         collect(sub, seen, lambda m: len(events_of(m, "p")) >= 3)
         admin(w, p.Reset, "p")
         collect(sub, seen, lambda m: events_of(m, "p").count(AllBlocksCleared()) == 2)
-    admin(w, p.DropPool, "p")
+    admin(w, p.DropPool, "p", w.daemon.admin_token)
     collect(sub, seen, lambda m: events_of(m, "p").count(AllBlocksCleared()) == 3)
 
     assert events_of(seen, "p") == [

@@ -162,6 +162,7 @@ class Model:
     # Welcome came after a start-up probe had given up; they live on until
     # their (long) lease runs out.
     outside: int = 0
+    admin_token: str = ""  # the daemon's operator token, which DropPool needs
     # The daemon's slot of each key, learned from its replies. Slot ids are
     # compared as a mapping, not as numbers: a session's in-flight stores are
     # freed in `set` order (hash seeds differ between processes), so the LIFO
@@ -237,6 +238,8 @@ class Model:
             case p.Pools():
                 return p.PoolsResult(rid, [pm.info(name) for name, pm in self.pools.items()])
             case p.DropPool():
+                if req.token != self.admin_token:
+                    raise KvdError("not the operator token", ErrorCode.WRONG_ROLE)
                 if req.pool not in self.pools:
                     raise KvdError("no such pool", ErrorCode.NO_SUCH_POOL)
                 del self.pools[req.pool]
@@ -547,7 +550,7 @@ class Fuzz:
         if fresh.session is not None:
             self.request(fresh, p.Goodbye(self.rid()))
         for extra in [n for n in self.model.pools if n not in ("fz", "fz-b", "fz-c")][:-3]:
-            self.request(self.peers["admin"], p.DropPool(self.rid(), extra))
+            self.request(self.peers["admin"], p.DropPool(self.rid(), extra, self.model.admin_token))
         for name, (role, engine, pool) in HOMES.items():
             peer = self.peers[name]
             pm = self.model.pools.get(pool) if pool else None
@@ -678,11 +681,12 @@ def struct_frames(draw: st.DrawFn) -> tuple[str, p.Request, bool]:
         return draw(peer_of(["worker"] * 4 + ["sched", "admin", "fresh"])), msg, ack_ok
     if kind in (p.DropPool, p.Reset):
         pool = draw(st.sampled_from(["fz"]) if draw(st.integers(0, 40)) == 0 else names)
-        return (
-            draw(peer_of(["admin", "admin", "sched", "worker", "fresh"])),
-            kind(rid, pool),
-            ack_ok,
-        )
+        peer = draw(peer_of(["admin", "admin", "sched", "worker", "fresh"]))
+        if kind is p.Reset:
+            return peer, p.Reset(rid, pool), ack_ok
+        # The real operator token (known once the daemon runs) half the time.
+        token = draw(st.just(None).map(lambda _: ADMIN_TOKEN[0]) | texts)
+        return peer, p.DropPool(rid, pool, token), ack_ok
     return draw(peer_of(ANY_PEER)), kind(rid), ack_ok
 
 
@@ -750,6 +754,8 @@ def raw_frames(draw: st.DrawFn) -> Input:
     return Input(peer, bytes(frame), ack_ok)
 
 
+ADMIN_TOKEN = [""]  # the running daemon's, set by the test before any draw
+
 OVERSIZED = Input("fresh", b"\x00" * (p.MAX_FRAME_BYTES + 1), oversized=True)
 inputs = st.sampled_from(
     [struct_frames().map(lambda t: Input(t[0], p.encoder.encode(t[1]), t[2]))] * 12
@@ -765,6 +771,7 @@ inputs = st.sampled_from(
 def test_fuzz_every_request_type() -> None:
     daemon = DaemonProcess(base=FLAGS).start()
     fuzz = Fuzz(daemon)
+    ADMIN_TOKEN[0] = fuzz.model.admin_token = daemon.admin_token
     try:
         fuzz.home()
         fuzz.count_outside_sessions()
@@ -846,7 +853,7 @@ def test_what_the_fuzzer_found() -> None:
         assert code(ask(w, p.Attach(2, "x", FZ, None))) == "Attached"
         # An empty CompleteLoad from a session holding no pins was INTERNAL.
         assert ask(a, p.CompleteLoad(4, [])) == p.Ok(4)
-        assert code(ask(admin, p.DropPool(2, "x"))) == "Ok"
+        assert code(ask(admin, p.DropPool(2, "x", daemon.admin_token))) == "Ok"
         # An idle worker on a dropped pool heard nothing and kept getting jobs.
         assert code(ask(w, p.Heartbeat(3))) == "NO_SUCH_POOL"
         assert code(ask(a, p.Attach(5, "x", FZ, 4096))) == "Attached"  # re-created

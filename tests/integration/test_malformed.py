@@ -41,7 +41,8 @@ def _bad_frames(rng: random.Random, n: int) -> list[bytes]:
         lambda: enc(p.JobDone(16, 1, 0, True)),  # a scheduler may not ack jobs
         lambda: enc(p.Attach(17, "other-pool", LAYOUT, 1 << 20)),  # one pool per session
         lambda: enc(p.Attach(18, "bad name!", LAYOUT, 1 << 20)),
-        lambda: enc(p.DropPool(19, "no-such-pool")),
+        lambda: enc(p.Reset(19, "no-such-pool")),
+        lambda: enc(p.DropPool(19, "pool")),  # without the operator token
         lambda: enc(p.Hello(20, -5, "scheduler")),
     ]
     return [rng.choice(makers)() for _ in range(n)]

@@ -51,7 +51,7 @@ def drop(d: DaemonProcess, pool: str) -> None:
     conn = Connection(d.endpoint, role="admin", keeper=False)
     conn.connect()
     try:
-        conn.call(p.DropPool, pool)
+        conn.call(p.DropPool, pool, d.admin_token)
     finally:
         conn.close()
 
