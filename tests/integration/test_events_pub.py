@@ -128,6 +128,21 @@ def serve(pub: EventPublisher, s: zmq.Socket[bytes]) -> None:
             return
 
 
+def recv_served(pub: EventPublisher, s: zmq.Socket[bytes]) -> list[bytes]:
+    """Runs the daemon's side until `s` receives a message, and returns it.
+
+    Unlike `serve`, it does not trust `poll`: a REQ with REQ_CORRELATE polls
+    readable for a stale reply that its `recv` then discards.
+    """
+    for _ in range(WAIT_MS // 10):
+        pub.handle_replay()
+        try:
+            return s.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            s.poll(10)
+    raise AssertionError(f"no reply within {WAIT_MS} ms")
+
+
 def replay(s: zmq.Socket[bytes], pub: EventPublisher, request: list[bytes]) -> list[list[bytes]]:
     """Sends one request, serves it, and returns the reply messages up to the end marker."""
     s.send_multipart(request)
@@ -248,8 +263,7 @@ def test_replay_to_req_clients(ctx: zmq.Context[zmq.Socket[bytes]], pub: EventPu
     start = seqs[0]
     while True:
         req.send(start.to_bytes(8, "big"))
-        serve(pub, req)
-        seq, payload = req.recv_multipart()
+        seq, payload = recv_served(pub, req)
         if payload == b"":
             break
         got.append(int.from_bytes(seq, "big"))
