@@ -125,7 +125,9 @@ class Service:
         came for a while); True while more remains."""
         more = False
         for pool in self.pools:
-            more |= pool.index.settle()
+            if pool.index.has_idle_work():
+                self.counters["idle_steps"] += 1
+                more |= pool.index.settle()
         return more
 
     def has_idle_work(self) -> bool:

@@ -267,3 +267,35 @@ def test_unsupported_version_and_hello_first(daemon: DaemonProcess) -> None:
         assert isinstance(p.reply_decoder.decode(sock.recv()), p.Welcome)
     finally:
         sock.close()
+
+
+def test_adaptive_replays_lookups_while_the_daemon_is_idle(daemon: DaemonProcess) -> None:
+    """The default policy queues lookups; the daemon replays them once idle (1 ms)."""
+
+    def idle_steps() -> int:
+        conn = admin(daemon)
+        try:
+            stats = conn.call(p.Stats)
+            assert isinstance(stats, p.StatsResult)
+            return stats.counters.get("idle_steps", 0)
+        finally:
+            conn.close()
+
+    with Scheduler(
+        "idle", MHA, engine_id="e", endpoint=daemon.endpoint, capacity_bytes=8 << 20
+    ) as s:
+        assert pool_info(daemon, "idle").policy == "adaptive"
+        before = idle_steps()
+        for i in range(5):  # five different lookups, each queued
+            assert s.lookup(keys(4, 100 * i)) == 0
+        s.lookup(keys(4, 400))  # the same as the last one: counted once
+        deadline = time.monotonic() + 10
+        while idle_steps() - before < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert idle_steps() - before == 5
+        conn = admin(daemon)
+        try:
+            reply = conn.call(p.CheckInvariants)
+            assert isinstance(reply, p.InvariantsResult) and reply.problems == []
+        finally:
+            conn.close()
