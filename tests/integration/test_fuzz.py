@@ -134,7 +134,7 @@ class PoolModel:
 
 
 class Mismatch(AssertionError):
-    pass
+    """The daemon answered differently from the model."""
 
 
 def expect(cond: bool, what: str) -> None:
