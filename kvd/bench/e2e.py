@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +80,21 @@ def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> li
     return rows
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_variants(
+    args: argparse.Namespace,
+    run_variant: Callable[[Variant, str, argparse.Namespace], list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """`run_variant` for each variant of `--variant`, against one private daemon."""
     variants: list[Variant] = ["mha", "mla"] if args.variant == "both" else [args.variant]
     rows: list[dict[str, Any]] = []
     with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "2GiB"}) as daemon:
         for variant in variants:
             rows += run_variant(variant, daemon.endpoint, args)
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = run_variants(args, run_variant)
     if args.png is not None:
         plot(rows, args.png)
     return rows

@@ -17,12 +17,11 @@ import argparse
 import itertools
 from typing import Any
 
-from kvd.bench.e2e import pool_bytes
+from kvd.bench.e2e import pool_bytes, run_variants
 from kvd.demo.block_manager import blocks_for
 from kvd.demo.engine import Engine, EngineConfig
 from kvd.demo.model import ModelConfig, Variant
 from kvd.demo.workload import random_prompts
-from kvd.launcher import PRIVATE_FLAGS, DaemonProcess
 
 
 def _pass(
@@ -90,11 +89,7 @@ def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> li
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    variants: list[Variant] = ["mha", "mla"] if args.variant == "both" else [args.variant]
-    rows: list[dict[str, Any]] = []
-    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "2GiB"}) as daemon:
-        for variant in variants:
-            rows += run_variant(variant, daemon.endpoint, args)
+    rows = run_variants(args, run_variant)
     if args.png is not None:
         from kvd.demo.chart import Series, line_chart
 

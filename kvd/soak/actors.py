@@ -59,6 +59,24 @@ HOT_KEYS = 300
 T = TypeVar("T")
 
 
+def count_failure(tally: Tally, slot: int, who: str, call: str, exc: Exception) -> bool:
+    """Counts one client call that raised: a lost session (and whether it raised
+    into the hot path, which it must not), else a violation. True when the
+    error is not kvd's: the library broke a promise, so re-create the client."""
+    if not isinstance(exc, KvdError):
+        detail = "".join(traceback.format_exception(exc, limit=4))
+        tally.violation(slot, f"{who}: {call} crashed: {detail!r}")
+        tally.add(slot, "recreated")
+        return True
+    if exc.code not in SESSION_LOST:
+        tally.violation(slot, f"{who}: {call} raised {exc}")
+    else:
+        tally.add(slot, "session_lost")
+        if call in HOT_PATH:
+            tally.add(slot, "hot_path_raises")
+    return False
+
+
 def actor_main(tally: Tally, slot: int, endpoint: str, seed: int) -> None:
     """Process entry point: runs until the harness sets the stop flag (or kills it)."""
     tally.log_to_file(f"actor{slot}")
@@ -100,18 +118,10 @@ class Actor:
                 self._load()
             else:
                 self._misuse()
-        except KvdError as exc:
-            if exc.code not in SESSION_LOST:
-                self._violation(f"{self.call} raised {exc}")
-                return
-            self.tally.add(self.slot, "session_lost")
-            if self.call in HOT_PATH:
-                self.tally.add(self.slot, "hot_path_raises")
-        except Exception:  # a client call blew up: count it, re-create the client
-            self._violation(f"{self.call} crashed: {traceback.format_exc(limit=4)!r}")
-            self.tally.add(self.slot, "recreated")
-            self.sched.close()
-            self.sched = self._open()
+        except Exception as exc:  # a client call raised: counted, see count_failure
+            if count_failure(self.tally, self.slot, "actor", self.call, exc):
+                self.sched.close()
+                self.sched = self._open()
 
     # -- operations ------------------------------------------------------------
 

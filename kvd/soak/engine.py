@@ -26,12 +26,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
-import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from kvd.soak.actors import HOT_PATH, SESSION_LOST
+from kvd.soak.actors import SESSION_LOST, count_failure
 from kvd.soak.rank import worker_main
 from kvd.soak.tally import Tally
 from kvd.soak.workload import (
@@ -158,18 +157,10 @@ class Engine:
         self.call = "step"
         try:
             self._step()
-        except KvdError as exc:
-            if exc.code not in SESSION_LOST:
-                self._violation(f"{self.call} raised {exc}")
-                return
-            self.tally.add(self.slot, "session_lost")
-            if self.call in HOT_PATH:
-                self.tally.add(self.slot, "hot_path_raises")
-        except Exception:  # the library broke a promise: count it, re-create it
-            self._violation(f"{self.call} crashed: {traceback.format_exc(limit=4)!r}")
-            self.tally.add(self.slot, "recreated")
-            self.sched.close()
-            self.sched = self._open()
+        except Exception as exc:  # a client call raised: counted, see count_failure
+            if count_failure(self.tally, self.slot, "engine", self.call, exc):
+                self.sched.close()
+                self.sched = self._open()
 
     def _step(self) -> None:
         s, add = self.sched, self.tally.add
