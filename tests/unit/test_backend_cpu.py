@@ -20,14 +20,19 @@ from kvd_client.geometry import Geometry
 KiB = 1 << 10
 MiB = 1 << 20
 
-# Backend settings that force each copy path on small data.
+# Backend settings that force each copy path on small data. "default" is the
+# native copier where it was built; the others force the torch paths.
+TORCH = {"native": False}
 PATHS: dict[str, dict[str, Any]] = {
     "default": {},
-    "direct": {"direct_min_bytes": 1},  # every run one copy_ per layer
-    "no_segments": {"segment_min_bytes": 1 << 40},  # scattered jobs go staged
-    "tiny_staging": {"segment_min_bytes": 1 << 40, "staging_bytes": 1},
-    "pairs": {"segment_min_bytes": 1 << 40, "pair_min_bytes": 1},  # scattered: copy_ each
-    "no_span": {"layer_span": False},
+    # native, with streaming stores and three threads even on small jobs
+    "native_wide": {"streaming_min_bytes": 0, "parallel_min_bytes": 0, "threads": 3},
+    "torch": TORCH,
+    "direct": {**TORCH, "direct_min_bytes": 1},  # every run one copy_ per layer
+    "no_segments": {**TORCH, "segment_min_bytes": 1 << 40},  # scattered jobs go staged
+    "tiny_staging": {**TORCH, "segment_min_bytes": 1 << 40, "staging_bytes": 1},
+    "pairs": {**TORCH, "segment_min_bytes": 1 << 40, "pair_min_bytes": 1},  # copy_ each
+    "no_span": {**TORCH, "layer_span": False},
 }
 
 

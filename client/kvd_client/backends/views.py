@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvd_client.backends.base import CopyJob
-from kvd_client.copy_plan import CopyPlan, SlotLayout, plan_copy, widest_element
+from kvd_client.copy_plan import CopyPlan, SlotLayout, check_job, plan_copy, widest_element
 from kvd_client.errors import BadRequest
 from kvd_client.geometry import Geometry
 
@@ -236,6 +236,16 @@ class BlockViews:
     def plan(self, job: CopyJob) -> CopyPlan:
         """The job's checked plan; `BadRequest` for ids it cannot copy."""
         return plan_copy(
+            job.kind,
+            job.device_block_ids,
+            job.pool_block_ids,
+            self.num_device_blocks,
+            self.layout.num_pool_blocks,
+        )
+
+    def check(self, job: CopyJob) -> None:
+        """`BadRequest` for ids this job cannot copy, as `plan` checks them."""
+        check_job(
             job.kind,
             job.device_block_ids,
             job.pool_block_ids,
