@@ -228,6 +228,13 @@ def _throughput_arguments(p: argparse.ArgumentParser) -> None:
 def _transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
     p.add_argument(
+        "--copier",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="CPU only: the native block copier, torch indexing alone, or auto "
+        "(native where it was built; default)",
+    )
+    p.add_argument(
         "--total-mb",
         type=positive_int,
         default=256,

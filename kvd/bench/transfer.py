@@ -11,6 +11,11 @@ a shuffled range, so the backend gathers into the destination in place;
 ids that are random subsets on both sides take its staged path instead (two
 passes, about half as fast).
 
+On the CPU, `--copier` picks how the backend copies: `native` (the block
+copier built with the client, `kvd_client.backends.native`), `torch` (torch
+indexing alone, what an install without a C compiler gets) or `auto` (the
+default: native where built). The summary line names the one that ran.
+
 The yardstick, in the same run and with the same torch thread settings: one
 contiguous `copy_` of the same bytes each way (on CUDA, one copy between the
 device and the registered, pinned region). Every figure is the best of
@@ -34,7 +39,8 @@ import torch
 
 from kvd.bench.report import Row
 from kvd.bench.suites import SuiteError
-from kvd_client.backends import CopyJob, TransferBackend, make_backend
+from kvd_client.backends import CopyJob, TransferBackend, make_backend, native
+from kvd_client.backends.cpu import CpuBackend
 from kvd_client.geometry import Geometry
 
 SLOT_SIZES = (16 << 10, 256 << 10, 2 << 20)
@@ -73,7 +79,36 @@ def _caches(layout: str, num_blocks: int, slot_bytes: int, device: str) -> list[
     return caches
 
 
-def _measure(layout: str, slot_bytes: int, total_bytes: int, repeats: int, device: str) -> Row:
+COPIERS = ("auto", "native", "torch")
+
+
+def copier_in_use(device: str, copier: str) -> str:
+    """What `--copier` resolves to on `device`; `SuiteError` if it cannot run there."""
+    if device == "cuda":
+        if copier != "auto":
+            raise SuiteError("--copier applies to --device cpu; CUDA copies with its DMA engines")
+        return "cuda"
+    if copier == "torch" or (copier == "auto" and not native.available()):
+        return "torch"
+    if not native.available():
+        raise SuiteError(
+            "--copier native: the native block copier is not built (install kvd-client "
+            "with a C compiler), or use --copier torch"
+        )
+    return "native"
+
+
+def _backend(
+    device: str, copier: str, kv: torch.Tensor | list[torch.Tensor], region: mmap.mmap, g: Geometry
+) -> TransferBackend:
+    if copier == "torch":
+        return CpuBackend(kv, region, g, 0, native=False)
+    return make_backend(device, kv, region, g, 0)
+
+
+def _measure(
+    layout: str, slot_bytes: int, total_bytes: int, repeats: int, device: str, copier: str
+) -> Row:
     num_blocks = max(1, total_bytes // slot_bytes)
     geometry = Geometry.plan(
         slot_bytes=slot_bytes,
@@ -83,7 +118,7 @@ def _measure(layout: str, slot_bytes: int, total_bytes: int, repeats: int, devic
     )
     region = mmap.mmap(-1, geometry.size_bytes)
     try:
-        seconds = _time_jobs(layout, geometry, region, repeats, device)
+        seconds = _time_jobs(layout, geometry, region, repeats, device, copier)
     finally:
         with contextlib.suppress(BufferError):  # a failed run's traceback holds a view
             region.close()
@@ -98,11 +133,12 @@ def _measure(layout: str, slot_bytes: int, total_bytes: int, repeats: int, devic
         "load_gbps": round(load / 1e9, 3),
         "memcpy_gbps": round(memcpy / 1e9, 3),
         "ratio": round(min(store, load) / memcpy, 3),
+        "copier": copier,
     }
 
 
 def _time_jobs(
-    layout: str, geometry: Geometry, region: mmap.mmap, repeats: int, device: str
+    layout: str, geometry: Geometry, region: mmap.mmap, repeats: int, device: str, copier: str
 ) -> dict[str, float]:
     """Best seconds of each step over `repeats` interleaved rounds."""
     num_blocks, slot_bytes = geometry.num_blocks, geometry.slot_bytes
@@ -117,7 +153,7 @@ def _time_jobs(
     device_ids = torch.randperm(num_blocks, generator=gen).tolist()
     pool_ids = torch.randperm(num_blocks, generator=gen).tolist()
     # Built before the memcpy yardstick: on CUDA it registers (pins) the region.
-    backend: TransferBackend = make_backend(device, kv, region, geometry, 0)
+    backend = _backend(device, copier, kv, region, geometry)
     job_ids = itertools.count(1)
 
     def job(kind: str) -> None:
@@ -154,9 +190,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     device: str = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SuiteError("--device cuda: torch sees no CUDA device")
+    copier = copier_in_use(device, args.copier)
     total = args.total_mb << 20
     return [
-        _measure(layout, slot, total, args.repeats, device)
+        _measure(layout, slot, total, args.repeats, device, copier)
         for layout in LAYOUTS
         for slot in SLOT_SIZES
     ]
@@ -172,5 +209,14 @@ def summarize(rows: list[Row]) -> list[str]:
         goal = MIN_RATIO_SMALL if slot <= SLOT_SIZES[0] else MIN_RATIO
         if ratio < goal:
             misses.append(f"{row['layout']} {slot >> 10} KiB: ratio {ratio:.2f} < goal {goal}")
-    threads = f"torch threads: {torch.get_num_threads()}"
-    return [*misses, threads] if misses else [f"every ratio meets its goal; {threads}"]
+    copiers = sorted({str(row["copier"]) for row in rows})
+    copier = ", ".join(_COPIER_WORDS.get(c, c) for c in copiers)
+    setting = f"copier: {copier}; torch threads: {torch.get_num_threads()}"
+    return [*misses, setting] if misses else [f"every ratio meets its goal; {setting}"]
+
+
+_COPIER_WORDS = {
+    "native": f"native ({native.streaming_kind()} streaming stores)",
+    "torch": "torch indexing",
+    "cuda": "CUDA copies on the registered region",
+}

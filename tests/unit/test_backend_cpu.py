@@ -20,13 +20,14 @@ from kvd_client.geometry import Geometry
 KiB = 1 << 10
 MiB = 1 << 20
 
-# Backend settings that force each copy path on small data. "default" is the
-# native copier where it was built; the others force the torch paths.
+# Backend settings that force each copy path on small data: small jobs take
+# the torch paths by default; "native" and "native_threads" force the native
+# copier (where it was built), the others the torch paths without it.
 TORCH = {"native": False}
 PATHS: dict[str, dict[str, Any]] = {
     "default": {},
-    # native, with streaming stores and three threads even on small jobs
-    "native_wide": {"streaming_min_bytes": 0, "parallel_min_bytes": 0, "threads": 3},
+    "native": {"native_min_bytes": 0},
+    "native_threads": {"native_min_bytes": 0, "parallel_min_bytes": 0, "threads": 3},
     "torch": TORCH,
     "direct": {**TORCH, "direct_min_bytes": 1},  # every run one copy_ per layer
     "no_segments": {**TORCH, "segment_min_bytes": 1 << 40},  # scattered jobs go staged
