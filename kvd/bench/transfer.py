@@ -12,9 +12,10 @@ ids that are random subsets on both sides take its staged path instead (two
 passes, about half as fast).
 
 On the CPU, `--copier` picks how the backend copies: `native` (the block
-copier built with the client, `kvd_client.backends.native`), `torch` (torch
-indexing alone, what an install without a C compiler gets) or `auto` (the
-default: native where built). The summary line names the one that ran.
+copier built with the client, `kvd_client.backends.native`, for every job),
+`torch` (torch indexing alone, what an install without a C compiler gets) or
+`auto` (the default: the backend as a worker builds it, native for jobs of a
+quarter of the last-level cache and more). Each row names the one that ran.
 
 The yardstick, in the same run and with the same torch thread settings: one
 contiguous `copy_` of the same bytes each way (on CUDA, one copy between the
@@ -82,20 +83,15 @@ def _caches(layout: str, num_blocks: int, slot_bytes: int, device: str) -> list[
 COPIERS = ("auto", "native", "torch")
 
 
-def copier_in_use(device: str, copier: str) -> str:
-    """What `--copier` resolves to on `device`; `SuiteError` if it cannot run there."""
-    if device == "cuda":
-        if copier != "auto":
-            raise SuiteError("--copier applies to --device cpu; CUDA copies with its DMA engines")
-        return "cuda"
-    if copier == "torch" or (copier == "auto" and not native.available()):
-        return "torch"
-    if not native.available():
+def check_copier(device: str, copier: str) -> None:
+    """`SuiteError` if `--copier` cannot run on `device`."""
+    if device == "cuda" and copier != "auto":
+        raise SuiteError("--copier applies to --device cpu; CUDA copies with its DMA engines")
+    if copier == "native" and not native.available():
         raise SuiteError(
             "--copier native: the native block copier is not built (install kvd-client "
             "with a C compiler), or use --copier torch"
         )
-    return "native"
 
 
 def _backend(
@@ -103,6 +99,8 @@ def _backend(
 ) -> TransferBackend:
     if copier == "torch":
         return CpuBackend(kv, region, g, 0, native=False)
+    if copier == "native":
+        return CpuBackend(kv, region, g, 0, native_min_bytes=0)
     return make_backend(device, kv, region, g, 0)
 
 
@@ -118,7 +116,7 @@ def _measure(
     )
     region = mmap.mmap(-1, geometry.size_bytes)
     try:
-        seconds = _time_jobs(layout, geometry, region, repeats, device, copier)
+        seconds, used = _time_jobs(layout, geometry, region, repeats, device, copier)
     finally:
         with contextlib.suppress(BufferError):  # a failed run's traceback holds a view
             region.close()
@@ -133,14 +131,14 @@ def _measure(
         "load_gbps": round(load / 1e9, 3),
         "memcpy_gbps": round(memcpy / 1e9, 3),
         "ratio": round(min(store, load) / memcpy, 3),
-        "copier": copier,
+        "copier": used,
     }
 
 
 def _time_jobs(
     layout: str, geometry: Geometry, region: mmap.mmap, repeats: int, device: str, copier: str
-) -> dict[str, float]:
-    """Best seconds of each step over `repeats` interleaved rounds."""
+) -> tuple[dict[str, float], str]:
+    """Best seconds of each step over `repeats` interleaved rounds, and the copier used."""
     num_blocks, slot_bytes = geometry.num_blocks, geometry.slot_bytes
     nbytes = num_blocks * slot_bytes
     host = torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
@@ -154,6 +152,7 @@ def _time_jobs(
     pool_ids = torch.randperm(num_blocks, generator=gen).tolist()
     # Built before the memcpy yardstick: on CUDA it registers (pins) the region.
     backend = _backend(device, copier, kv, region, geometry)
+    used = backend.copier_for(nbytes) if isinstance(backend, CpuBackend) else "cuda"
     job_ids = itertools.count(1)
 
     def job(kind: str) -> None:
@@ -183,17 +182,17 @@ def _time_jobs(
             raise SuiteError(f"{layout} {slot_bytes}: a load did not bring back what was stored")
     finally:
         backend.close()
-    return best
+    return best, used
 
 
 def run(args: argparse.Namespace) -> list[Row]:
     device: str = args.device
+    check_copier(device, args.copier)
     if device == "cuda" and not torch.cuda.is_available():
         raise SuiteError("--device cuda: torch sees no CUDA device")
-    copier = copier_in_use(device, args.copier)
     total = args.total_mb << 20
     return [
-        _measure(layout, slot, total, args.repeats, device, copier)
+        _measure(layout, slot, total, args.repeats, device, args.copier)
         for layout in LAYOUTS
         for slot in SLOT_SIZES
     ]

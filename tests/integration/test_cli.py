@@ -133,3 +133,39 @@ def test_bench_rpc_distinct_lookups_beside_a_daemon_on_the_metrics_port(tmp_path
     (row,) = json.loads(out_json.read_text())["rows"]
     assert row["clients"] == 1 and row["p50_us"] > 0 and row["echo_p50_us"] > 0
     assert row["ratio"] == pytest.approx(row["p50_us"] / row["echo_p50_us"], rel=0.01)
+
+
+@pytest.mark.parametrize("copier", ["torch", "native", "auto"])
+def test_bench_transfer_names_its_copier(tmp_path: Path, copier: str) -> None:
+    """Every row says which copier ran; a small job under `auto` takes torch copies."""
+    from kvd_client.backends import native
+
+    if copier == "native" and not native.available():
+        pytest.skip("the native copier is not built")
+    out_json = tmp_path / "transfer.json"
+    out = kvd(
+        "bench", "transfer", "--total-mb", "4", "--repeats", "1", "--copier", copier,
+        "--json", str(out_json),
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["layout"], r["slot_bytes"]) for r in rows] == [
+        (layout, size)
+        for layout in ("contiguous", "per_layer")
+        for size in (16384, 262144, 2097152)
+    ]
+    expected = "torch" if copier == "auto" else copier  # 4 MiB jobs stay in cache
+    assert {r["copier"] for r in rows} == {expected}
+    for r in rows:
+        assert r["ratio"] == pytest.approx(
+            min(r["store_gbps"], r["load_gbps"]) / r["memcpy_gbps"], abs=0.01
+        )
+    words = "native (" if expected == "native" else "torch indexing"
+    assert f"copier: {words}" in out.stdout
+
+
+def test_bench_transfer_refuses_a_copier_cuda_does_not_have() -> None:
+    out = kvd("bench", "transfer", "--device", "cuda", "--copier", "torch")
+    assert out.returncode != 0
+    assert "--copier applies to --device cpu" in out.stderr

@@ -127,6 +127,10 @@ class CpuBackend(TransferBackend):
         self._staging: torch.Tensor | None = None
         self._results: deque[CopyResult] = deque()
 
+    def copier_for(self, nbytes: int) -> str:
+        """Which copier a job of `nbytes` takes: "native" or "torch"."""
+        return "native" if self.native is not None and nbytes >= self._native_min_bytes else "torch"
+
     # -- TransferBackend -------------------------------------------------------
 
     def submit(self, job: CopyJob) -> None:
