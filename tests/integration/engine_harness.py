@@ -49,7 +49,12 @@ def digest(caches: Any, block: int) -> str:
     return h.hexdigest()
 
 
-def worker_main(rank: int, world_size: int, endpoint: str, conn: Connection) -> None:
+def worker_main(
+    rank: int, world_size: int, endpoint: str, conn: Connection, env: dict[str, str]
+) -> None:
+    import os
+
+    os.environ.update(env)
     import torch
 
     from kvd_client import Layout, Worker
@@ -93,6 +98,10 @@ def worker_main(rank: int, world_size: int, endpoint: str, conn: Connection) -> 
             elif cmd == "poll":
                 assert worker is not None
                 conn.send(("ok", worker.poll(args)))
+            elif cmd == "native_min_bytes":  # where this process's CPU backend goes native
+                from kvd_client.backends.native import available, default_native_min_bytes
+
+                conn.send(("ok", default_native_min_bytes() if available() else None))
             elif cmd == "bytes":
                 assert worker is not None
                 conn.send(("ok", worker.bytes_copied))
@@ -110,11 +119,15 @@ def worker_main(rank: int, world_size: int, endpoint: str, conn: Connection) -> 
 class Rank:
     """The test's handle on one worker process."""
 
-    def __init__(self, rank: int, world_size: int, endpoint: str) -> None:
+    def __init__(
+        self, rank: int, world_size: int, endpoint: str, env: dict[str, str] | None = None
+    ) -> None:
         self.rank = rank
         self.conn, child = CTX.Pipe()
         self.proc = CTX.Process(
-            target=worker_main, args=(rank, world_size, endpoint, child), daemon=True
+            target=worker_main,
+            args=(rank, world_size, endpoint, child, dict(env or {})),
+            daemon=True,
         )
         self.proc.start()
 

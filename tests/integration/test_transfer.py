@@ -26,9 +26,18 @@ def big_daemon() -> Iterator[DaemonProcess]:
         d.stop()
 
 
+# Worker environments: the backend's defaults (these small jobs take torch
+# copies), and every job through the native copier where it was built.
+COPIERS = {"default": {}, "native": {"KVD_NATIVE_MIN_BYTES": "0"}}
+
+
 @pytest.fixture(scope="module")
-def engines(big_daemon: DaemonProcess) -> Iterator[dict[int, list[Rank]]]:
-    groups = {tp: [Rank(r, tp, big_daemon.endpoint) for r in range(tp)] for tp in (1, 2, 4)}
+def engines(big_daemon: DaemonProcess) -> Iterator[dict[tuple[int, str], list[Rank]]]:
+    groups = {
+        (tp, copier): [Rank(r, tp, big_daemon.endpoint, env) for r in range(tp)]
+        for tp in (1, 2, 4)
+        for copier, env in COPIERS.items()
+    }
     try:
         yield groups
     finally:
@@ -60,16 +69,24 @@ def drop(d: DaemonProcess, pool: str) -> None:
 @pytest.mark.parametrize("cache_layout", ["contiguous", "per_layer"])
 @pytest.mark.parametrize("replicated", [False, True])
 @pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("copier", list(COPIERS))
 def test_round_trip_bit_exact(
     big_daemon: DaemonProcess,
-    engines: dict[int, list[Rank]],
+    engines: dict[tuple[int, str], list[Rank]],
+    copier: str,
     tp: int,
     replicated: bool,
     cache_layout: str,
     slot_bytes: int,
 ) -> None:
-    ranks = engines[tp]
-    pool = f"rt-{tp}-{int(replicated)}-{cache_layout}-{slot_bytes}"
+    ranks = engines[tp, copier]
+    if copier == "native":
+        from kvd_client.backends.native import available
+
+        if not available():
+            pytest.skip("the native copier is not built")
+        assert all_ranks(ranks, "native_min_bytes") == [0] * tp  # every job goes native
+    pool = f"rt-{copier}-{tp}-{int(replicated)}-{cache_layout}-{slot_bytes}"
     layout_args = (f"model-{pool}", "bfloat16", 16, tp, replicated, slot_bytes, cache_layout)
     spec = CacheSpec(cache_layout, slot_bytes, 2 * NUM_BLOCKS)
     # Twice the blocks stored: a session may pin at most half a pool.

@@ -211,3 +211,20 @@ def test_unknown_cache_sizes_read_as_none(tmp_path: Path) -> None:
     assert last_level_cache_bytes(tmp_path / "missing") is None
     _cache(tmp_path, 0, "2", "lots")
     assert last_level_cache_bytes(tmp_path) is None
+
+
+def test_native_min_bytes_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvd_client.backends.native import default_native_min_bytes
+    from kvd_client.errors import BadRequest
+
+    monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", "0")
+    assert default_native_min_bytes() == 0
+    monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", " 4096 ")
+    assert default_native_min_bytes() == 4096
+    for bad in ("-1", "1MiB", "lots"):
+        monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", bad)
+        with pytest.raises(BadRequest, match="KVD_NATIVE_MIN_BYTES"):
+            default_native_min_bytes()
+    monkeypatch.delenv("KVD_NATIVE_MIN_BYTES")
+    cache = last_level_cache_bytes()
+    assert default_native_min_bytes() == (cache // 4 if cache else 32 << 20)

@@ -9,7 +9,8 @@ streaming stores. `_blockcopy.c` says why that pays.
 It pays only for jobs too large to stay in cache: streaming stores go to
 memory even when the destination would have fit in cache, where plain
 stores (torch's copies) are faster. `native_min_bytes` is where the CPU
-backend switches, a quarter of the last-level cache. On the development VM
+backend switches: the environment's `KVD_NATIVE_MIN_BYTES` where set (0
+sends every job native), else a quarter of the last-level cache. On the development VM
 (a 480 MiB last-level cache, shared with other guests; `kvd bench transfer
 --total-mb N --copier native|torch`), torch was ahead up to 64 MiB per job,
 the two were even around 96 to 128 MiB, and from 160 MiB the native copier
@@ -28,6 +29,7 @@ CPU backend copies with torch alone.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +38,7 @@ from types import ModuleType
 import torch
 
 from kvd_client.backends.views import BlockViews, id_tensor
+from kvd_client.errors import BadRequest
 
 _blockcopy: ModuleType | None
 try:
@@ -45,6 +48,7 @@ except ImportError:  # built without a compiler: the torch paths serve
 
 # Where the last-level cache size cannot be read: a modest server's quarter.
 FALLBACK_NATIVE_MIN_BYTES = 32 << 20
+NATIVE_MIN_BYTES_ENV = "KVD_NATIVE_MIN_BYTES"
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 # Helper threads (up to torch's thread count) from this many bytes per job;
 # starting a thread costs tens of microseconds.
@@ -79,7 +83,19 @@ def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
 
 
 def default_native_min_bytes() -> int:
-    """Job size from which the native copier beats torch: a quarter of the last-level cache."""
+    """Job size from which jobs go native: `KVD_NATIVE_MIN_BYTES` where set, else a
+    quarter of the last-level cache; `BadRequest` for a setting that is not a size."""
+    setting = os.environ.get(NATIVE_MIN_BYTES_ENV, "").strip()
+    if setting:
+        try:
+            value = int(setting)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise BadRequest(
+                f"{NATIVE_MIN_BYTES_ENV}={setting!r}: want a whole number of bytes (0 or more)"
+            )
+        return value
     cache = last_level_cache_bytes()
     return cache // 4 if cache is not None else FALLBACK_NATIVE_MIN_BYTES
 
