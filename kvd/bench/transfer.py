@@ -7,9 +7,11 @@ TP worker builds it. One store job then one load job move every block, with
 the device block ids and the pool block ids each in a random order (a random
 permutation of both sides), so almost no two blocks adjacent on one side are
 adjacent on the other and no copy is contiguous across blocks. Each side is
-a shuffled range, so the backend gathers into the destination in place;
-ids that are random subsets on both sides take its staged path instead (two
-passes, about half as fast).
+a shuffled range, so torch's copies gather into the destination in place;
+ids that are random subsets on both sides take their staged path instead
+(two passes, about half as fast). The native copier takes both alike: on
+random halves of 512 MiB on each side it measured 0.90 to 1.12 of memcpy,
+torch's copies 0.28 to 0.42.
 
 On the CPU, `--copier` picks how the backend copies: `native` (the block
 copier built with the client, `kvd_client.backends.native`, for every job),
