@@ -217,7 +217,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvd_client._blockcopy",
-    "Native block copier of the CPU transfer backend.", -1, methods,
+    "Native block copier of the CPU transfer backend.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__blockcopy(void)
