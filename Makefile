@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.*
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml client/pyproject.toml client/kvd_client/_blockcopy.c Makefile
+$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client/_blockcopy.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"
