@@ -152,7 +152,8 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "copy_blocks: threads must be in [1, %d]", MAX_THREADS);
         return NULL;
     }
-    if (num_blocks > INT64_MAX / num_layers) {
+    /* pieces * (t + 1) below must not overflow either. */
+    if (num_blocks > INT64_MAX / num_layers / MAX_THREADS) {
         PyErr_SetString(PyExc_OverflowError, "copy_blocks: too many pieces");
         return NULL;
     }

@@ -298,15 +298,19 @@ def test_element_width_follows_the_sizes(pools: list[Pool]) -> None:
         ("load", [0, 1], [0], "1 pool block ids"),
         ("store", [0, 1], [3, 3], "pool block 3 twice"),
         ("load", [2, 2], [0, 1], "device block 2 twice"),
+        # 0-d tensors hash by identity: repeats must still be seen
+        ("load", torch.tensor([2, 2]), torch.tensor([0, 1]), "device block 2 twice"),
+        ("store", torch.tensor([0, 1]), torch.tensor([4, 4]), "pool block 4 twice"),
         ("swap", [0], [0], "kind"),
     ],
 )
+@pytest.mark.parametrize("path", ["default", "native"])
 def test_bad_job_fails_cleanly_and_copies_nothing(
-    pools: list[Pool], kind: str, device: list[int], pooled: list[int], message: str
+    pools: list[Pool], kind: str, device: Any, pooled: Any, message: str, path: str
 ) -> None:
     pool = new_pool(pools, 16 * KiB, 6)
     kv = random_pages(8, 16 * KiB, torch.bfloat16, seed=3)
-    backend = pool.backend(kv)
+    backend = pool.backend(kv, **PATHS[path])
     pool.mm[:] = bytes(range(256)) * (len(pool.mm) // 256)
     host_before, kv_before = pool.mm[:], kv.clone()
     backend.submit(CopyJob(9, kind, device, pooled))
@@ -317,6 +321,22 @@ def test_bad_job_fails_cleanly_and_copies_nothing(
     assert torch.equal(kv.view(torch.uint8), kv_before.view(torch.uint8))
     backend.submit(CopyJob(10, "store", [0], [0]))  # the backend still works
     expect_ok(backend.poll(), 16 * KiB)
+
+
+@pytest.mark.parametrize("path", ["default", "native", "no_span"])
+def test_a_cache_resized_under_the_backend_is_refused(pools: list[Pool], path: str) -> None:
+    """Copies that keep raw addresses must never follow a re-allocated tensor's old memory."""
+    pool = new_pool(pools, 4 * 512, 6)
+    kv = [random_pages(8, 512, torch.uint8, seed=i) for i in range(4)]
+    backend = pool.backend(kv, **PATHS[path])
+    backend.submit(CopyJob(1, "store", [0, 1], [0, 1]))
+    expect_ok(backend.poll(), 2 * 4 * 512)
+    kv[2].resize_(64, 1 << 20)  # far larger: the storage moves
+    host_before = pool.mm[:]
+    backend.submit(CopyJob(2, "store", [2, 3], [2, 3]))
+    (result,) = backend.poll()
+    assert not result.ok and result.error is not None and "moved" in result.error
+    assert pool.mm[:] == host_before
 
 
 def test_results_come_once_from_poll_or_wait(pools: list[Pool]) -> None:

@@ -209,8 +209,10 @@ def test_last_level_cache_is_the_highest_level(tmp_path: Path) -> None:
 
 def test_unknown_cache_sizes_read_as_none(tmp_path: Path) -> None:
     assert last_level_cache_bytes(tmp_path / "missing") is None
-    _cache(tmp_path, 0, "2", "lots")
-    assert last_level_cache_bytes(tmp_path) is None
+    for name, size in (("garbled", "lots"), ("empty", "")):
+        (tmp_path / name).mkdir()
+        _cache(tmp_path / name, 0, "2", size)
+        assert last_level_cache_bytes(tmp_path / name) is None
 
 
 def test_native_min_bytes_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

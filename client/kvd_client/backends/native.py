@@ -65,7 +65,7 @@ def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
             level = int((index / "level").read_text())
             text = (index / "size").read_text().strip()
             units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+            size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
             if best is None or level > best[0]:
                 best = (level, size)
     except (OSError, ValueError):

@@ -186,6 +186,9 @@ class BlockViews:
     host_flat: torch.Tensor
     device_flat: list[torch.Tensor]
     num_device_blocks: int
+    # Where each layer's pages were when the views were built: copies that
+    # keep raw addresses (`LayerSpan`, the native copier) must not outlive them.
+    device_ptrs: tuple[int, ...]
 
     @classmethod
     def build(
@@ -231,10 +234,20 @@ class BlockViews:
             storage, dtype, layout.slot_offset, (nb, layout.slot_bytes // elem), (row, elem)
         )
         host_flat = typed_view(storage, dtype, 0, (geometry.size_bytes // elem,), (elem,))
-        return cls(layout, dtype, device, host, slots, host_flat, device_flat, len(layers[0]))
+        ptrs = tuple(d.data_ptr() for d in device)
+        return cls(layout, dtype, device, host, slots, host_flat, device_flat, len(layers[0]), ptrs)
+
+    def check_unmoved(self) -> None:
+        """`BadRequest` if a KV cache tensor was re-allocated (resized) under the views."""
+        if tuple(d.data_ptr() for d in self.device) != self.device_ptrs:
+            raise BadRequest(
+                "the KV cache tensors moved since the worker mapped them; "
+                "close the Worker and build it again over the new tensors"
+            )
 
     def plan(self, job: CopyJob) -> CopyPlan:
         """The job's checked plan; `BadRequest` for ids it cannot copy."""
+        self.check_unmoved()
         return plan_copy(
             job.kind,
             job.device_block_ids,
@@ -245,6 +258,7 @@ class BlockViews:
 
     def check(self, job: CopyJob) -> None:
         """`BadRequest` for ids this job cannot copy, as `plan` checks them."""
+        self.check_unmoved()
         check_job(
             job.kind,
             job.device_block_ids,
