@@ -151,24 +151,26 @@ class CpuBackend(TransferBackend):
 
     def _submit(self, views: BlockViews, job: CopyJob) -> int:
         """Copies `job` (a store only where this rank writes); the bytes moved."""
-        native = self.native
         nbytes = len(job.device_block_ids) * views.layout.slot_bytes
-        if native is not None and nbytes >= self._native_min_bytes:
-            views.check(job)
-            if job.kind == "store" and not job.writer:
-                return 0
+        native = self.native if self.copier_for(nbytes) == "native" else None
+        if native is not None:
+            views.check(job)  # all the native copier needs: no plan
+            plan = None
+        else:
+            plan = views.plan(job)
+        if job.kind == "store" and not job.writer:
+            return 0
+        if native is not None:
             native.copy(
                 job.kind == "store",
                 job.device_block_ids,
                 job.pool_block_ids,
                 self._threads or torch.get_num_threads(),
             )
-            return nbytes
-        plan = views.plan(job)
-        if plan.kind == "store" and not job.writer:
-            return 0
-        self._copy(views, plan)
-        return plan.num_blocks * views.layout.slot_bytes
+        else:
+            assert plan is not None
+            self._copy(views, plan)
+        return nbytes
 
     def poll(self) -> list[CopyResult]:
         done = list(self._results)

@@ -10,12 +10,13 @@ It pays only for jobs too large to stay in cache: streaming stores go to
 memory even when the destination would have fit in cache, where plain
 stores (torch's copies) are faster. `native_min_bytes` is where the CPU
 backend switches: the environment's `KVD_NATIVE_MIN_BYTES` where set (0
-sends every job native), else a quarter of the last-level cache. On the development VM
-(a 480 MiB last-level cache, shared with other guests; `kvd bench transfer
---total-mb N --copier native|torch`), torch was ahead at 32 and 64 MiB per
-job; at 128 MiB the native copier led on 32-layer slots (0.84 against 0.55
-of memcpy at 16 KiB) and trailed by up to 0.05 on contiguous ones; from 192
-MiB it led or tied everywhere.
+sends every job native), else a quarter of the last-level cache.
+
+On the development VM (a 480 MiB last-level cache, shared with other
+guests; `kvd bench transfer --total-mb N --copier native|torch`), torch was
+ahead at 32 and 64 MiB per job; at 128 MiB the native copier led on
+32-layer slots (0.84 against 0.55 of memcpy at 16 KiB) and trailed by up to
+0.05 on contiguous ones; from 192 MiB it led or tied everywhere.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class BlockCopier:
         cls, views: BlockViews, *, parallel_min_bytes: int = PARALLEL_MIN_BYTES
     ) -> BlockCopier:
         layout = views.layout
-        device_base = [d.data_ptr() for d in views.device]
+        device_base = list(views.device_ptrs)
         device_stride = [d.stride(0) * d.element_size() for d in views.device]
         host_base = [h.data_ptr() for h in views.host]
         host_stride = [h.stride(0) * h.element_size() for h in views.host]
