@@ -82,9 +82,6 @@ def _caches(layout: str, num_blocks: int, slot_bytes: int, device: str) -> list[
     return caches
 
 
-COPIERS = ("auto", "native", "torch")
-
-
 def check_copier(device: str, copier: str) -> None:
     """`SuiteError` if `--copier` cannot run on `device`."""
     if device == "cuda" and copier != "auto":
