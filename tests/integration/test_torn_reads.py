@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvd.launcher import DaemonProcess
 from kvd_client import protocol as p
@@ -14,7 +17,14 @@ from kvd_client.connection import Connection
 ENGINE = Path(__file__).with_name("torn_read_engine.py")
 
 
-def test_no_torn_reads_across_engines(daemon: DaemonProcess, spawn: list) -> None:
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"KVD_NATIVE_MIN_BYTES": "0"}],
+    ids=["default", "native"],  # these small jobs take torch copies unless forced native
+)
+def test_no_torn_reads_across_engines(
+    daemon: DaemonProcess, spawn: list, env: dict[str, str]
+) -> None:
     for i in range(3):
         spawn.append(
             subprocess.Popen(
@@ -23,6 +33,7 @@ def test_no_torn_reads_across_engines(daemon: DaemonProcess, spawn: list) -> Non
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=Path(__file__).parents[2],
+                env={**os.environ, **env},
             )
         )
     totals: dict[str, int] = {}
