@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # A CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.*
 
-.PHONY: venv run test check lint typecheck demo bench clean
+.PHONY: venv run test check lint typecheck demo bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -40,5 +40,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvd bench all --json bench.json
 
+# Wheels the lent GPU machine lacks, for its Python; see tests/gpu/on_device.sh.
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+		"pyzmq>=25" "msgspec>=0.18" "posix_ipc>=1.1"
+
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache .whl

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs on a lent GPU machine (the workplace's `device` tool): the CUDA tests and
+# `kvd bench transfer --device cuda`, as one script, results under $OUT.
+#
+# That machine has Python 3.12 with CUDA torch, uvloop and prometheus-client,
+# but not pyzmq, msgspec or posix_ipc, and it cannot download. Prepare here:
+#
+#     make gpu-wheels                 # those three, as wheels, into .whl/
+#
+# then run it there (one call; the limit leaves room for a rerun):
+#
+#     run(command="bash tests/gpu/on_device.sh", carry=[".whl"], timeout_s=420)
+#
+# kvd and kvd_client run from the tree (PYTHONPATH); the CUDA backend needs no
+# compiled part of kvd_client. Exit status: non-zero if either step failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-/tmp/kvd-gpu}
+wheels=${KVD_WHEELS:-.whl}
+site=${KVD_SITE:-/tmp/kvd-site}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$wheels"/*.whl || { echo "on_device: could not install $wheels"; exit 2; }
+export PYTHONPATH="$PWD:$PWD/client:$site" PYTHONUNBUFFERED=1
+{ nvidia-smi -L 2>&1; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; } | tee "$out/device.txt"
+# Skipped CUDA tests must not pass for a run: no device is a failure here.
+python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" \
+    || { echo "on_device: torch sees no CUDA device" | tee -a "$out/device.txt"; exit 3; }
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt"
+tests=${PIPESTATUS[0]}
+timeout 240 python3 -m kvd bench transfer --device cuda --json "$out/transfer_cuda.json" 2>&1 | tee "$out/bench.txt"
+bench=${PIPESTATUS[0]}
+echo "on_device: tests rc=$tests, bench rc=$bench" | tee -a "$out/device.txt"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
