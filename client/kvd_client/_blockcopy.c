@@ -43,7 +43,7 @@
 typedef void (*stream_fn)(char *dst, const char *src, size_t n);
 
 typedef struct {
-    int64_t num_blocks, num_layers;
+    int64_t num_layers;
     const int64_t *dst_ids, *src_ids;
     const int64_t *dst_base, *dst_stride, *src_base, *src_stride, *sizes;
     stream_fn stream; /* NULL: memcpy only */
@@ -165,7 +165,6 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args)
     job_t jobs[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     job_t base = {
-        .num_blocks = num_blocks,
         .num_layers = num_layers,
         .dst_ids = (const int64_t *)(uintptr_t)dst_ids,
         .src_ids = (const int64_t *)(uintptr_t)src_ids,

@@ -30,11 +30,10 @@ row, one layer): adjacent blocks then cost one large memcpy, not `count`.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import sub
+from operator import index, sub
 from typing import Literal
 
 from kvd_client.errors import BadRequest
@@ -234,7 +233,7 @@ def check_job(
     written, side = (pool_ids, "pool") if kind == "store" else (device_ids, "device")
     if not isinstance(written, (list, tuple, range)) or type(written[0]) is not int:
         # Ids that hash by identity (0-d tensors) must not pass as all different.
-        written = [operator.index(block) for block in written]
+        written = [index(block) for block in written]
     if len(set(written)) != n:
         seen: set[int] = set()
         for block in written:
