@@ -11,11 +11,13 @@ TORCH  ?= torch==2.13.*
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client/_blockcopy.c Makefile
+$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client/_blockcopy.c \
+		tools/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ./client -e ".[dev]"
+	# The daemon (.), the client library and the operator tools (bench, demo, soak).
+	$(PY) -m pip install -q -e ./client -e ./tools -e ".[dev]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -25,11 +27,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check kvd client tests
-	$(VENV)/bin/ruff format --check kvd client tests
+	$(VENV)/bin/ruff check kvd client tools tests
+	$(VENV)/bin/ruff format --check kvd client tools tests
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvd client/kvd_client
+	$(VENV)/bin/mypy kvd client/kvd_client tools/kvd_tools
 
 check: lint typecheck
 	$(PY) -m pytest -q -W error tests
@@ -49,4 +51,4 @@ gpu-wheels:
 		"pyzmq>=25" "msgspec>=0.18" "posix_ipc>=1.1"
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.egg-info .pytest_cache .mypy_cache .ruff_cache .whl
+	rm -rf $(VENV) build *.egg-info client/*.egg-info tools/*.egg-info .pytest_cache .mypy_cache .ruff_cache .whl

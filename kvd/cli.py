@@ -1,7 +1,8 @@
 """Runs in the operator's shell: the `kvd` command line (parse, build config, run).
 
 `kvd serve` runs the daemon; `ping`, `stats`, `pools` and `pool drop` talk to
-a running one over its control socket; `bench` runs benchmark suites.
+a running one over its control socket; `bench` and `demo` come from the
+operator tools (`kvd_tools`) when they are installed.
 Exit codes: 0 ok, 1 the daemon refused or could not be reached, 2 bad usage
 or configuration.
 """
@@ -9,6 +10,7 @@ or configuration.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -20,6 +22,16 @@ import msgspec
 
 from kvd.config import FLAG_KEYS, Config, ConfigError, load_config
 from kvd.version import __version__
+
+# `kvd demo` and `kvd bench` live in the operator tools, which bring torch; the
+# daemon's own distribution does not depend on them.
+TOOLS_DIST = "kvd-tools"
+TOOL_COMMANDS = ("demo", "bench")
+
+
+def tools_installed() -> bool:
+    """Whether the operator tools (`kvd_tools`) can be imported here."""
+    return importlib.util.find_spec("kvd_tools") is not None
 
 
 def _add_client_flags(p: argparse.ArgumentParser) -> None:
@@ -64,19 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     drop.add_argument("name")
     _add_client_flags(drop)
 
-    demo = sub.add_parser(
-        "demo",
-        help="run the demo TP=2 inference engine against kvd",
-        description="Run the demo inference engine (2 TP worker processes, MHA and MLA) "
-        "against a kvd daemon; starts its own daemon unless one answers.",
-    )
-    from kvd.demo import add_arguments as add_demo_arguments
-
-    add_demo_arguments(demo)
     sub.add_parser("version", help="print the kvd version")
-    from kvd.bench.cli import add_bench_parser
+    if tools_installed():
+        from kvd_tools.commands import add_commands
 
-    add_bench_parser(sub)
+        add_commands(sub)
+    else:
+        for name in TOOL_COMMANDS:
+            missing = sub.add_parser(name, help=f"needs the operator tools ({TOOLS_DIST})")
+            missing.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return parser
 
 
@@ -102,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level)
-    from kvd.server import run
+    from kvd.io.server import run
 
     try:
         return run(config)
@@ -206,14 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         case "ping" | "stats" | "pools" | "pool":
             return _client_command(args)
-        case "demo":
-            from kvd.demo.runner import main as run_demo
+        case "demo" | "bench":
+            if not tools_installed():
+                print(
+                    f"kvd: `kvd {args.command}` needs kvd's operator tools: "
+                    f"pip install {TOOLS_DIST} (from a checkout: pip install ./tools)",
+                    file=sys.stderr,
+                )
+                return 2
+            from kvd_tools.commands import run
 
-            return run_demo(args)
-        case "bench":
-            from kvd.bench.cli import run_bench
-
-            return run_bench(args)
+            return run(args)
         case _:
             parser.error(f"unknown command {args.command!r}")
 

@@ -1,6 +1,6 @@
 """Runs in the engine's scheduler process: the index verbs and transfer jobs, over the wire.
 
-`Scheduler` mirrors `kvd.index.BlockIndex` verb for verb (same names, same
+`Scheduler` mirrors `kvd.core.index.BlockIndex` verb for verb (same names, same
 return types; one round trip per batch) and adds `store`, `load` and
 `finished` for engines whose TP workers use `kvd_client.Worker`.
 

@@ -1,6 +1,6 @@
 """Runs in every kvd process: the value types of the index verbs, shared by daemon and client.
 
-`kvd.index` returns them and `kvd_client.Scheduler` returns the same ones, so
+`kvd.core.index` returns them and `kvd_client.Scheduler` returns the same ones, so
 engine code reads the same shapes in process and out of process.
 """
 

@@ -1,6 +1,9 @@
-"""Runs in the daemon (pure core): the block index and its eviction policies."""
+"""Runs in the daemon (pure core): the public name `kvd.index` of SPEC section 4.
 
-from kvd.index.block_index import BlockIndex
-from kvd.index.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+The index lives in `kvd.core.index`; this package keeps the name that engines
+and tools import (`from kvd.index import BlockIndex`).
+"""
+
+from kvd.core.index import BlockIndex, Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
 __all__ = ["BlockIndex", "Key", "LoadStoreSpec", "OffloadingEvent", "PrepareStoreOutput"]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.launcher import DaemonProcess
+from kvd_tools.launcher import DaemonProcess
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.launcher import DaemonProcess
+from kvd_tools.launcher import DaemonProcess
 
 
 def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

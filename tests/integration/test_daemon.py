@@ -9,11 +9,11 @@ import time
 import pytest
 import zmq
 
-from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
+from kvd_tools.launcher import DaemonProcess
 from tests.integration.conftest import python_child
 
 MHA_ARGS = ("demo-model@1", "bfloat16", 16, 2, False, 64 << 10)

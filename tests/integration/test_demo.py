@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvd.launcher import DaemonProcess
+from kvd_tools.launcher import DaemonProcess
 
 TIMEOUT_S = 240  # ~15 s per variant on a quiet 2-core host; shared hosts are not quiet
 MARK = "KVD_DEMO_TEST_MARK"
@@ -45,7 +45,7 @@ def run_demo(args: list[str], tmp_path: Path, env: dict[str, str] | None = None)
     mark = uuid.uuid4().hex
     out = tmp_path / "rows.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.demo", "--quick", "--json", str(out), *args],
+        [sys.executable, "-m", "kvd_tools.demo", "--quick", "--json", str(out), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvd.events import EventPublisher
+from kvd.io.events import EventPublisher
 from kvd_client.types import OffloadingEvent
 
 END = b"\xff" * 8

@@ -16,10 +16,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
+from kvd_tools.launcher import DaemonProcess
 
 END = b"\xff" * 8
 LAYOUT = Layout("wire-model@1", "bfloat16", 16, 1, False, 4096)  # one 4 KiB row per block

@@ -36,14 +36,14 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvd.index import BlockIndex
-from kvd.launcher import DaemonProcess
-from kvd.ownership import OwnedIndex
-from kvd.service import POOL_VERBS
+from kvd.control.service import POOL_VERBS
+from kvd.core.index import BlockIndex
+from kvd.core.ownership import OwnedIndex
 from kvd.version import __version__
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.geometry import Geometry
+from kvd_tools.launcher import DaemonProcess
 
 NUM_INPUTS = int(os.environ.get("KVD_FUZZ_EXAMPLES", "10000"))
 BATCH = 8
@@ -817,7 +817,7 @@ def test_fuzz_every_request_type() -> None:
 
 
 def test_what_the_fuzzer_found() -> None:
-    """Regressions, each once found by the fuzzer (kvd/service.py, kvd/ownership.py)."""
+    """Regressions, each once found by the fuzzer (kvd/control/service.py, kvd/core/ownership.py)."""
     daemon = DaemonProcess(base=FLAGS).start()
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     socks: list[zmq.Socket[bytes]] = []

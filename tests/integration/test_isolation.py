@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
+from kvd_tools.launcher import DaemonProcess
 
 GROUP, MEMBER, OUTSIDER = "kvdtestgrp", "kvdtestmember", "kvdtestoutsider"
 

@@ -7,9 +7,9 @@ import random
 import msgspec
 import zmq
 
-from kvd.launcher import DaemonProcess
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
+from kvd_tools.launcher import DaemonProcess
 
 LAYOUT = p.Layout("m", "bfloat16", 16, 1, False, 4096)
 

@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from kvd.metrics import Metrics
+from kvd.io.metrics import Metrics
 from kvd_client import protocol as p
 
 

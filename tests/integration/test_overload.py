@@ -20,9 +20,9 @@ from multiprocessing.synchronize import Barrier
 from queue import Empty
 from typing import Any
 
-from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
 from kvd_client.errors import MissingKey, NotReady
+from kvd_tools.launcher import DaemonProcess
 
 CLIENTS = 16
 SECONDS = float(os.environ.get("KVD_OVERLOAD_SECONDS", "12"))

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from kvd.soak import SoakConfig, run_soak
+from kvd_tools.soak import SoakConfig, run_soak
 
 SECONDS = float(os.environ.get("KVD_SOAK_SECONDS", "60"))
 

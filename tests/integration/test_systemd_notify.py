@@ -6,7 +6,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from kvd.launcher import DaemonProcess
+from kvd_tools.launcher import DaemonProcess
 
 
 def test_ready_watchdog_stopping() -> None:

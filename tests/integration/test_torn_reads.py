@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvd.launcher import DaemonProcess
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
+from kvd_tools.launcher import DaemonProcess
 
 ENGINE = Path(__file__).with_name("torn_read_engine.py")
 

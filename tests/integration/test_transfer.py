@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvd.launcher import DaemonProcess
 from kvd_client import Layout, Scheduler
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
+from kvd_tools.launcher import DaemonProcess
 from tests.integration.engine_harness import CacheSpec, Rank, all_ranks
 
 NUM_BLOCKS = 6

@@ -1,4 +1,4 @@
-"""The synthetic conversation trace (kvd.bench.conversation): its shape, its file."""
+"""The synthetic conversation trace (kvd_tools.bench.conversation): its shape, its file."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.conversation import conversation, main
-from kvd.bench.replay import load_trace
+from kvd_tools.bench.conversation import conversation, main
+from kvd_tools.bench.replay import load_trace
 
 
 def test_requests_extend_earlier_turns_with_fresh_blocks() -> None:

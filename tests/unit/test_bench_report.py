@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import kvd.bench.cli as bench_cli
-from kvd.bench.index import summarize as summarize_index
-from kvd.bench.machine import cpu_model, describe_machine
-from kvd.bench.report import Row, format_cell, markdown_table, render
-from kvd.bench.suites import Suite, SuiteError
+import kvd_tools.bench.cli as bench_cli
 from kvd.cli import main
-from kvd.index.policies import POLICIES
+from kvd.core.index.policies import POLICIES
+from kvd_tools.bench.index import summarize as summarize_index
+from kvd_tools.bench.machine import cpu_model, describe_machine
+from kvd_tools.bench.report import Row, format_cell, markdown_table, render
+from kvd_tools.bench.suites import Suite, SuiteError
 
 MACHINE_FIELDS = {"platform", "python", "num_cpus", "cpu_model", "ram_bytes", "torch", "kvd"}
 INDEX_FIELDS = [

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.bench import trace as trace_suite
-from kvd.bench.belady import belady, next_uses
-from kvd.bench.replay import ReplayStats, load_trace, replay
-from kvd.bench.report import Row
-from kvd.bench.suites import SuiteError
-from kvd.index.policies import POLICIES
+from kvd.core.index.policies import POLICIES
+from kvd_tools.bench import trace as trace_suite
+from kvd_tools.bench.belady import belady, next_uses
+from kvd_tools.bench.replay import ReplayStats, load_trace, replay
+from kvd_tools.bench.report import Row
+from kvd_tools.bench.suites import SuiteError
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
 

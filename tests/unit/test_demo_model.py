@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvd.demo.block_manager import BlockAllocator, block_hashes, blocks_for, root_hash
-from kvd.demo.chart import Series, line_chart, nice_ticks
-from kvd.demo.model import ModelConfig, ShardedModel, Variant, cache_shape, slot_bytes
-from kvd.demo.workload import chat_workload, random_prompts
+from kvd_tools.demo.block_manager import BlockAllocator, block_hashes, blocks_for, root_hash
+from kvd_tools.demo.chart import Series, line_chart, nice_ticks
+from kvd_tools.demo.model import ModelConfig, ShardedModel, Variant, cache_shape, slot_bytes
+from kvd_tools.demo.workload import chat_workload, random_prompts
 
 # Small enough for a unit test, the same code paths as the demo's model.
 SMALL = {"vocab": 512, "hidden": 128, "num_layers": 2, "num_heads": 4, "ffn": 256}

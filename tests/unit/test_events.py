@@ -1,7 +1,7 @@
 """Runs in the test process: the KV-event encoding, read back as a vLLM consumer would.
 
 The consumer types below are written from the wire format alone (they copy
-vLLM's `kv_events_subscriber` example), never imported from `kvd.events`.
+vLLM's `kv_events_subscriber` example), never imported from `kvd.io.events`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvd.events import (
+from kvd.io.events import (
     END_SEQ,
     AllBlocksCleared,
     KVEventBatch,

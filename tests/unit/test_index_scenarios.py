@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
+from kvd.core.index import BlockIndex, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from kvd.core.index.policies import ARCPolicy
 from kvd.errors import ErrorCode, KvdError
-from kvd.index import BlockIndex, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
-from kvd.index.policies import ARCPolicy
 
 POLICIES = ["lru", "arc", "adaptive"]
 # For scenarios that expect the first key of a stored batch to be its oldest
-# block; "adaptive" stores a batch tail first (see kvd.index.policies.probation).
+# block; "adaptive" stores a batch tail first (see kvd.core.index.policies.probation).
 HEAD_FIRST = pytest.mark.parametrize("policy", ["lru", "arc"])
 
 A, B, C, D, E, F, G, X, Y = (c.encode() for c in "abcdefgxy")

@@ -19,9 +19,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvd.core.index import BlockIndex, OffloadingEvent
+from kvd.core.index.policies import ARCPolicy
 from kvd.errors import ErrorCode, KvdError
-from kvd.index import BlockIndex, OffloadingEvent
-from kvd.index.policies import ARCPolicy
 
 KEYS = [bytes([c]) for c in b"abcdefghij"]
 SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvd.core.jobs import Job, JobTable
 from kvd.errors import KvdError
-from kvd.jobs import Job, JobTable
 
 
 def make(table: JobTable, ranks: int = 2, now: float = 0.0, kind: str = "store") -> Job:

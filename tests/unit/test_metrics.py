@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from kvd.metrics import Metrics
+from kvd.io.metrics import Metrics
 from kvd_client import protocol as p
 
 LAYOUT = p.Layout("m", "bfloat16", 16, 1, False, 4096)

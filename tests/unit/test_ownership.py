@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvd.core.index import BlockIndex
+from kvd.core.ownership import OwnedIndex
 from kvd.errors import ErrorCode, KvdError
-from kvd.index import BlockIndex
-from kvd.ownership import OwnedIndex
 
 
 def ks(*names: str) -> list[bytes]:

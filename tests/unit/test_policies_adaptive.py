@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from kvd.bench.conversation import conversation
-from kvd.bench.replay import load_trace, replay
-from kvd.index import BlockIndex, OffloadingEvent
-from kvd.index.policies import POLICIES, SlotPredicate, make_policy
-from kvd.index.policies.adaptive import MAX_PENDING_KEYS, AdaptivePolicy
-from kvd.index.policies.doorkeeper import Doorkeeper
-from kvd.index.policies.fingerprint_map import FingerprintMap
-from kvd.index.policies.miniature import EXPERTS, START, Miniature, Miniatures
-from kvd.index.policies.probation import LONG, SHORT, ProbationCache, fingerprint
+from kvd.core.index import BlockIndex, OffloadingEvent
+from kvd.core.index.policies import POLICIES, SlotPredicate, make_policy
+from kvd.core.index.policies.adaptive import MAX_PENDING_KEYS, AdaptivePolicy
+from kvd.core.index.policies.doorkeeper import Doorkeeper
+from kvd.core.index.policies.fingerprint_map import FingerprintMap
+from kvd.core.index.policies.miniature import EXPERTS, START, Miniature, Miniatures
+from kvd.core.index.policies.probation import LONG, SHORT, ProbationCache, fingerprint
+from kvd_tools.bench.conversation import conversation
+from kvd_tools.bench.replay import load_trace, replay
 from tests.unit.policy_blocks import Blocks
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"

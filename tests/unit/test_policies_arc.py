@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvd.index import BlockIndex
-from kvd.index.policies import ARCPolicy, GhostLists, make_policy
+from kvd.core.index import BlockIndex
+from kvd.core.index.policies import ARCPolicy, GhostLists, make_policy
 from tests.unit.policy_blocks import Blocks
 
 # Keys, for tests through the index.

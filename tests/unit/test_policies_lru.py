@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from kvd.core.index import BlockIndex
+from kvd.core.index.policies import POLICIES, LRUPolicy, SlotLists, make_policy
 from kvd.errors import ErrorCode, KvdError
-from kvd.index import BlockIndex
-from kvd.index.policies import POLICIES, LRUPolicy, SlotLists, make_policy
 from tests.unit.policy_blocks import Blocks
 
 A, B, C, D, E = range(5)  # slot ids

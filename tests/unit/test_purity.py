@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client" / "kvd_client"}
 # STYLE rule 1: the index, the job state machine, the copy planner (each skipped if absent).
-PURE = ["kvd.index", "kvd.jobs", "kvd_client.copy_plan"]
+PURE = ["kvd.core.index", "kvd.core.jobs", "kvd_client.copy_plan"]
 # No sockets, files, clocks, threads, processes, event loops or GPU.
 FORBIDDEN = frozenset(
     {
@@ -166,7 +166,7 @@ def violations(graph: Mapping[str, set[str]]) -> list[str]:
 
 def test_pure_core_imports_nothing_forbidden_statically() -> None:
     roots = [m for name in PURE for m in submodules(name)]
-    assert "kvd.index.block_index" in roots and "kvd.index.policies.arc" in roots
+    assert "kvd.core.index.block_index" in roots and "kvd.core.index.policies.arc" in roots
     graph = import_graph(roots)
     # The walk did follow imports out of the core, into the shared errors.
     assert {"kvd", "kvd.errors", "kvd_client", "kvd_client.errors"} <= set(graph)
@@ -249,6 +249,6 @@ def test_pure_core_imports_nothing_forbidden_at_runtime() -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["imported"] == modules
-    assert "kvd.index.block_index" in report["new"]
+    assert "kvd.core.index.block_index" in report["new"]
     assert report["calls"] == []
     assert sorted(NEVER_LOADED & set(report["new"])) == []

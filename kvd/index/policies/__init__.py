@@ -1,37 +1,19 @@
-"""Runs in the daemon (pure core): eviction policies, selectable by name.
+"""Runs in the daemon (pure core): the public name `kvd.index.policies` of SPEC section 4.
 
-Each policy implements `CachePolicy` (see its docstrings for the contract) on
-slot ids; `SlotLists` and `GhostLists` are the flat-array building blocks.
-A new policy is one module here and one entry in `POLICIES`.
+The policies live in `kvd.core.index.policies`.
 """
 
-from __future__ import annotations
-
-from kvd.errors import BadRequest
-from kvd.index.policies.adaptive import AdaptivePolicy
-from kvd.index.policies.arc import ARCPolicy
-from kvd.index.policies.base import CachePolicy, Key, SlotPredicate
-from kvd.index.policies.ghosts import GhostLists
-from kvd.index.policies.lru import LRUPolicy
-from kvd.index.policies.slot_lists import SlotLists
-
-POLICIES: dict[str, type[CachePolicy]] = {
-    "lru": LRUPolicy,
-    "arc": ARCPolicy,
-    "adaptive": AdaptivePolicy,
-}
-
-
-def make_policy(
-    name: str, capacity: int, is_ready: SlotPredicate, is_evictable: SlotPredicate
-) -> CachePolicy:
-    """The policy called `name` over slots `0..capacity-1`; an unknown name is a `BadRequest`."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise BadRequest(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(capacity, is_ready, is_evictable)
-
+from kvd.core.index.policies import (
+    POLICIES,
+    ARCPolicy,
+    CachePolicy,
+    GhostLists,
+    Key,
+    LRUPolicy,
+    SlotLists,
+    SlotPredicate,
+    make_policy,
+)
 
 __all__ = [
     "POLICIES",

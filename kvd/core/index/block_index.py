@@ -1,0 +1,352 @@
+"""Runs in the daemon (pure core): the block index of one pool (SPEC section 4).
+
+No sockets, files, clocks or threads: every method is a pure state transition,
+so the daemon, the benchmarks and the property tests drive the same object.
+
+Per-block state lives in flat arrays indexed by slot id, and the policy
+orders slot ids in arrays of its own, so the one per-key structure is the
+key -> slot dict:
+
+    _slot_of   {key -> slot}                                 dict
+    _key_at    [slot] -> key | None                          list
+    _ready     [slot] -> 0 (being stored) | 1 (loadable)     bytearray
+    _refs      [slot] -> number of load references (pins)    array('i')
+    free slots = [_next_fresh, num_blocks) fresh ids, then _free (array('i'),
+                 a LIFO stack of freed ids)
+
+At 1,000,000 blocks a block costs (tracemalloc, `kvd bench index`): its key
+object 41 bytes, its `_slot_of` entry 42 right after a fill and 84 once
+churn has made the dict regrow (CPython sizes it to 3x its live entries,
+rounded up to a power of two), its slot int 28, `_key_at` 8, `_ready` and
+`_refs` 5; plus the policy: 9 for LRU, 68 for ARC (resident lists,
+fingerprints, room for 2c ghosts).
+
+Every method validates its whole batch before it mutates anything, so misuse
+raises a `KvdError` and leaves the index exactly as it was.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+
+from kvd.core.index.policies import make_policy
+from kvd.core.index.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from kvd.errors import BadRequest, MissingKey, NotPinned, NotReady
+
+
+class BlockIndex:
+    """Where each block of one pool lives, its state, and who may be evicted."""
+
+    def __init__(self, num_blocks: int, policy: str = "lru", block_tokens: int = 16) -> None:
+        if num_blocks < 1:
+            raise BadRequest(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_tokens < 1:
+            raise BadRequest(f"block_tokens must be >= 1, got {block_tokens}")
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self._slot_of: dict[Key, int] = {}
+        self._key_at: list[Key | None] = [None] * num_blocks
+        self._ready = bytearray(num_blocks)
+        self._refs = array("i", bytes(4 * num_blocks))
+        self._free = array("i")
+        self._next_fresh = 0
+        self._num_not_ready = 0
+        self._num_pinned = 0
+        self._events: list[OffloadingEvent] = []
+        self.policy = make_policy(policy, num_blocks, self._is_ready, self._is_evictable)
+
+    # -- policy callbacks (read-only) -------------------------------------
+
+    def _is_ready(self, slot: int) -> bool:
+        return self._ready[slot] == 1
+
+    def _is_evictable(self, slot: int) -> bool:
+        return self._ready[slot] == 1 and self._refs[slot] == 0
+
+    # -- the verbs ----------------------------------------------------------
+
+    def lookup(self, keys: Sequence[Key]) -> int | None:
+        """The number of leading keys present and ready; `None` = retry later.
+
+        The run of hits stops at the first absent key; reaching a key whose
+        store is still in flight answers `None`. Changes no state.
+        """
+        hits = 0
+        for key in keys:
+            slot = self._slot_of.get(key)
+            if slot is None:
+                break
+            if not self._ready[slot]:
+                self.policy.record_lookup(keys)
+                return None
+            hits += 1
+        self.policy.record_lookup(keys)
+        return hits
+
+    def prepare_load(self, keys: Sequence[Key]) -> LoadStoreSpec:
+        """Pins every key (`ref_cnt += 1`) and returns their slots in key order.
+
+        Every key must be present (else `MissingKey`) and ready (else
+        `NotReady`); on error nothing is pinned.
+        """
+        slots = [self._ready_slot(key) for key in keys]
+        refs = self._refs
+        for slot in slots:
+            if refs[slot] == 0:
+                self._num_pinned += 1
+            refs[slot] += 1
+        return LoadStoreSpec(slots)
+
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Marks keys recently used; reversed, so the first (prefix) key ends most recent."""
+        slots = map(self._slot_of.get, reversed(keys))
+        self.policy.touch([slot for slot in slots if slot is not None])
+
+    def complete_load(self, keys: Sequence[Key]) -> None:
+        """Drops one load reference per key (a key listed twice drops two).
+
+        A key that is absent (`MissingKey`) or holds fewer references than
+        asked (`NotPinned`) fails the whole call; no count goes negative.
+        """
+        wanted = Counter(keys)
+        slots: list[tuple[int, int]] = []
+        for key, count in wanted.items():
+            slot = self._slot_of.get(key)
+            if slot is None:
+                raise MissingKey(f"complete_load of absent key {key.hex()}")
+            if self._refs[slot] < count:
+                raise NotPinned(
+                    f"complete_load of key {key.hex()} x{count} but it holds "
+                    f"{self._refs[slot]} load reference(s)"
+                )
+            slots.append((slot, count))
+        refs = self._refs
+        for slot, count in slots:
+            refs[slot] -= count
+            if refs[slot] == 0:
+                self._num_pinned -= 1
+
+    def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreOutput | None:
+        """Allocates slots for the keys not yet present, evicting if it must.
+
+        Keys already present (ready or in flight) are skipped; the keys of
+        this call are protected from eviction. When free slots plus what the
+        policy can evict cannot hold them all, returns `None` and changes
+        nothing. New keys are inserted not ready, on fresh slot ids in
+        ascending order first, then on freed ids last-in-first-out.
+        """
+        slot_of, key_at, free = self._slot_of, self._key_at, self._free
+        unique = dict.fromkeys(keys)
+        new_keys = [key for key in unique if key not in slot_of]
+        if len(new_keys) > self.num_blocks:
+            return None
+        need = len(new_keys) - self.num_free
+        evicted: list[Key] = []
+        if need > 0:
+            # The present keys of the call are protected; all-new keys need no set.
+            protected = (
+                {slot_of[key] for key in unique if key in slot_of}
+                if len(new_keys) < len(unique)
+                else ()
+            )
+            victims = self.policy.evict(need, protected)
+            if victims is None:
+                return None
+            ready = self._ready
+            for slot in victims:
+                key = key_at[slot]
+                assert key is not None, "the policy evicted a free slot"
+                del slot_of[key]
+                evicted.append(key)
+                key_at[slot] = None
+                ready[slot] = 0  # refs are 0 already: victims are unpinned
+                free.append(slot)
+        slots: list[int] = []
+        fresh = self._next_fresh
+        for key in new_keys:
+            # Fresh ids ascending first, then freed ones last-in-first-out.
+            if fresh < self.num_blocks:
+                slot = fresh
+                fresh += 1
+            else:
+                slot = free.pop()
+            slot_of[key] = slot
+            key_at[slot] = key
+            slots.append(slot)
+        self._next_fresh = fresh
+        self.policy.insert(slots, new_keys)
+        self._num_not_ready += len(new_keys)
+        if evicted:
+            # A copy: the caller owns `evicted_keys`, the pending event must not change with it.
+            self._events.append(
+                OffloadingEvent(list(evicted), self.block_tokens, "CPU", removed=True)
+            )
+        return PrepareStoreOutput(new_keys, LoadStoreSpec(slots), evicted)
+
+    def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
+        """Finishes stores: success makes the not-ready keys ready (one stored
+        event); failure frees the not-ready keys (no event). Keys already ready
+        are left as they are; an absent key (`MissingKey`) fails the call.
+        """
+        slot_of = self._slot_of
+        pending: dict[Key, int] = {}
+        for key in keys:
+            slot = slot_of.get(key)
+            if slot is None:
+                raise MissingKey(f"complete_store of absent key {key.hex()}")
+            if not self._ready[slot]:
+                pending[key] = slot
+        if not pending:
+            return
+        self._num_not_ready -= len(pending)
+        if success:
+            for slot in pending.values():
+                self._ready[slot] = 1
+            self._events.append(OffloadingEvent(list(pending), self.block_tokens, "CPU"))
+        else:
+            self.policy.remove(pending.values())
+            for key, slot in pending.items():
+                del slot_of[key]
+                self._release_slot(slot)
+
+    def take_events(self) -> list[OffloadingEvent]:
+        """Drains the events emitted since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def settle(self) -> bool:
+        """One step of the work the policy kept off the latency path; True while
+        more remains. Call when idle.
+
+        Never changes what the verbs answer: a policy that defers work catches
+        up by itself before it next inserts or evicts.
+        """
+        return self.policy.settle()
+
+    def has_idle_work(self) -> bool:
+        """Whether `settle` has anything to do."""
+        return self.policy.has_idle_work()
+
+    def reset(self) -> None:
+        """Drops every block, pinned or in flight, and any undrained event."""
+        n = self.num_blocks
+        self._slot_of.clear()
+        self._key_at = [None] * n
+        self._ready = bytearray(n)
+        self._refs = array("i", bytes(4 * n))
+        self._free = array("i")
+        self._next_fresh = 0
+        self._num_not_ready = 0
+        self._num_pinned = 0
+        self._events.clear()
+        self.policy.clear()
+
+    # -- read-only views ----------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._next_fresh + len(self._free)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_not_ready
+
+    @property
+    def num_pinned(self) -> int:
+        return self._num_pinned
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._slot_of) - self._num_not_ready
+
+    def slot_of(self, key: Key) -> int | None:
+        return self._slot_of.get(key)
+
+    def is_ready(self, key: Key) -> bool:
+        slot = self._slot_of.get(key)
+        return slot is not None and self._ready[slot] == 1
+
+    def ref_cnt(self, key: Key) -> int:
+        slot = self._slot_of.get(key)
+        return 0 if slot is None else self._refs[slot]
+
+    def key_at(self, slot: int) -> Key | None:
+        """The key held by `slot`, None when the slot is free."""
+        return self._key_at[slot]
+
+    @property
+    def next_fresh_slot(self) -> int:
+        """The lowest slot id never allocated since the last reset (num_blocks: none left)."""
+        return self._next_fresh
+
+    @property
+    def freed_slots(self) -> tuple[int, ...]:
+        """Freed slot ids waiting for reuse; the last one goes first."""
+        return tuple(self._free)
+
+    @property
+    def pending_events(self) -> tuple[OffloadingEvent, ...]:
+        """The events `take_events` would drain now, without draining them."""
+        return tuple(self._events)
+
+    def check_invariants(self) -> list[str]:
+        """The SPEC section 4 invariants that do not hold (empty when all do). O(n)."""
+        problems: list[str] = []
+        allocated = len(self._slot_of)
+        if self.num_free + allocated != self.num_blocks:
+            problems.append(
+                f"free {self.num_free} + allocated {allocated} != num_blocks {self.num_blocks}"
+            )
+        slots = list(self._slot_of.values())
+        if len(set(slots)) != len(slots):
+            problems.append("a slot is held by two keys")
+        free = set(self._free)
+        if len(free) != len(self._free) or any(s >= self._next_fresh for s in free):
+            problems.append("free list holds a duplicate or never-allocated slot")
+        if free & set(slots):
+            problems.append("a free slot is also allocated")
+        for key, slot in self._slot_of.items():
+            if self._key_at[slot] != key:
+                problems.append(f"slot {slot} does not point back at its key")
+                break
+        if any(r < 0 for r in self._refs):
+            problems.append("negative ref_cnt")
+        not_ready = sum(1 for s in slots if not self._ready[s])
+        if not_ready != self._num_not_ready:
+            problems.append(f"in-flight count {self._num_not_ready} != actual {not_ready}")
+        pinned = sum(1 for s in slots if self._refs[s] > 0)
+        if pinned != self._num_pinned or pinned != sum(1 for r in self._refs if r > 0):
+            problems.append(f"pinned count {self._num_pinned} != actual {pinned}")
+        if sum(1 for key in self._key_at if key is not None) != allocated:
+            problems.append("a free slot still names a key")
+        policy_slots = list(self.policy.slots())
+        if len(policy_slots) != len(self.policy) or sorted(policy_slots) != sorted(slots):
+            problems.append("resident slots of the policy != slots of the index")
+        elif not all(self.policy.get(slot) for slot in slots):
+            problems.append("the policy denies a resident slot")
+        problems.extend(self.policy.check_invariants())
+        return problems
+
+    # -- slots ----------------------------------------------------------------
+
+    def _ready_slot(self, key: Key) -> int:
+        slot = self._slot_of.get(key)
+        if slot is None:
+            raise MissingKey(f"key {key.hex()} is not in the cache")
+        if not self._ready[slot]:
+            raise NotReady(f"key {key.hex()} is still being stored")
+        return slot
+
+    def _release_slot(self, slot: int) -> None:
+        self._key_at[slot] = None
+        self._ready[slot] = 0
+        self._refs[slot] = 0
+        self._free.append(slot)

@@ -1,0 +1,209 @@
+"""Runs in the daemon (pure core): the transfer-job state machine (SPEC section 5).
+
+A job is one `Store` or `Load` of one scheduler, copied by every rank of its
+engine. Two moments matter and they differ:
+
+    reported  the scheduler learns ok/failed: every rank acknowledged ok, or
+              the first rank failed, or the job passed its deadline;
+    settled   no rank can touch the job's slots any more: every rank has
+              acknowledged or is gone (or a hard deadline passed). Only now
+              does the daemon complete the store (or release the load pins),
+              so a late writer can never scribble over a reused slot.
+
+Time is passed in by the caller (`now`, seconds); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvd.core.index import Key
+from kvd.errors import BadRequest, KvdError
+from kvd_client.errors import ErrorCode
+from kvd_client.protocol import JobResult
+
+JobKind = Literal["store", "load"]
+
+
+@dataclass
+class Job:
+    job_id: int
+    kind: JobKind
+    pool: str
+    generation: int
+    session_id: int
+    engine_id: str
+    keys: list[Key]
+    slots: list[int]
+    device_block_ids: list[int]
+    ranks: frozenset[int]
+    writers: frozenset[int]
+    deadline: float
+    hard_deadline: float
+    acked: dict[int, bool] = field(default_factory=dict)
+    gone: set[int] = field(default_factory=set)
+    nbytes: int = 0
+    seconds: float = 0.0
+    failure: str = ""
+    reported: bool = False
+    settled: bool = False
+
+    @property
+    def owner(self) -> tuple[str, int]:
+        """The owner token of the job's stores and pins in the pool's `OwnedIndex`."""
+        return ("job", self.job_id)
+
+    @property
+    def pending(self) -> frozenset[int]:
+        return self.ranks - self.acked.keys() - self.gone
+
+    @property
+    def ok(self) -> bool:
+        return not self.failure and all(self.acked.get(r, False) for r in self.ranks)
+
+    def result(self) -> JobResult:
+        return JobResult(self.job_id, self.ok, self.nbytes, self.seconds, self.failure)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the daemon must do for a job after a transition."""
+
+    job: Job
+    report: bool  # hand `job.result()` to the scheduler now
+    settle: bool  # complete the store / release the pins in the index now
+
+
+class JobTable:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._jobs: dict[int, Job] = {}
+        self._next_id = 1
+        self._results: dict[int, list[JobResult]] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, job_id: int) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def new_id(self) -> int:
+        """Reserves the id of the next job (its owner token is needed before `create`)."""
+        job_id = self._next_id
+        self._next_id += 1
+        return job_id
+
+    def create(
+        self,
+        *,
+        job_id: int,
+        kind: JobKind,
+        pool: str,
+        generation: int,
+        session_id: int,
+        engine_id: str,
+        keys: list[Key],
+        slots: list[int],
+        device_block_ids: list[int],
+        ranks: frozenset[int],
+        writers: frozenset[int],
+        now: float,
+    ) -> Job:
+        if not ranks:
+            raise BadRequest("a job needs at least one rank")
+        job = Job(
+            job_id=job_id,
+            kind=kind,
+            pool=pool,
+            generation=generation,
+            session_id=session_id,
+            engine_id=engine_id,
+            keys=keys,
+            slots=slots,
+            device_block_ids=device_block_ids,
+            ranks=ranks,
+            writers=writers,
+            deadline=now + self.timeout_s,
+            hard_deadline=now + 2 * self.timeout_s,
+        )
+        self._jobs[job.job_id] = job
+        return job
+
+    def ack(
+        self, job_id: int, rank: int, ok: bool, nbytes: int, seconds: float, detail: str = ""
+    ) -> Outcome | None:
+        """Records one rank's acknowledgement. `None` for a job already settled
+        and forgotten (a late ack after a hard deadline); misuse raises."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return None
+        if rank not in job.ranks:
+            raise KvdError(f"job {job_id} was not sent to rank {rank}", ErrorCode.NOT_OWNER)
+        if rank in job.acked:
+            raise BadRequest(f"rank {rank} already acknowledged job {job_id}")
+        job.acked[rank] = ok
+        job.gone.discard(rank)
+        job.nbytes += max(0, nbytes)
+        job.seconds = max(job.seconds, seconds)
+        if not ok and not job.failure:
+            job.failure = f"rank {rank} failed" + (f": {detail}" if detail else "")
+        return self._advance(job)
+
+    def rank_gone(self, engine_id: str, rank: int) -> list[Outcome]:
+        """A worker left (lease expired, or it said goodbye): its unacked jobs fail."""
+        outcomes = []
+        for job in list(self._jobs.values()):
+            if job.engine_id == engine_id and rank in job.pending:
+                job.gone.add(rank)
+                if not job.failure:
+                    job.failure = f"rank {rank} went away"
+                outcomes.append(self._advance(job))
+        return outcomes
+
+    def expire(self, now: float) -> list[Outcome]:
+        """Fails jobs past their deadline; settles jobs past their hard deadline."""
+        outcomes = []
+        for job in list(self._jobs.values()):
+            if now >= job.hard_deadline:
+                job.gone |= job.pending
+                if not job.failure:
+                    job.failure = "timed out"
+                outcomes.append(self._advance(job))
+            elif now >= job.deadline and not job.reported:
+                job.failure = job.failure or f"timed out after {self.timeout_s:g} s"
+                outcomes.append(self._advance(job))
+        return outcomes
+
+    def fail_all(self, reason: str, pool: str | None = None) -> list[Outcome]:
+        """Shutdown, pool drop or reset: every job (of `pool`) fails and settles now."""
+        outcomes = []
+        for job in list(self._jobs.values()):
+            if pool is not None and job.pool != pool:
+                continue
+            job.gone |= job.pending
+            job.failure = job.failure or reason
+            outcomes.append(self._advance(job))
+        return outcomes
+
+    def jobs_of_pool(self, pool: str) -> list[Job]:
+        return [j for j in self._jobs.values() if j.pool == pool]
+
+    def add_result(self, session_id: int, result: JobResult) -> None:
+        self._results.setdefault(session_id, []).append(result)
+
+    def take_results(self, session_id: int) -> list[JobResult]:
+        return self._results.pop(session_id, [])
+
+    def forget_session(self, session_id: int) -> None:
+        self._results.pop(session_id, None)
+
+    def _advance(self, job: Job) -> Outcome:
+        report = False
+        if not job.reported and (job.failure or not job.pending):
+            job.reported = report = True
+        settle = False
+        if not job.settled and not job.pending:
+            job.settled = settle = True
+            del self._jobs[job.job_id]
+        return Outcome(job, report, settle)

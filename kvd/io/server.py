@@ -1,0 +1,302 @@
+"""Runs in the daemon: the event loop, its sockets, timers and signals.
+
+`run()` -> `serve()` = startup / main loop / shutdown, after uvicorn. The
+control ROUTER is a plain (non-asyncio) ZeroMQ socket whose file descriptor
+is watched by the loop: ZeroMQ signals it edge-triggered, so every wake-up
+drains the socket until it would block, and every send made outside the
+reader re-arms a drain. Handlers run to completion inside the callback; the
+hot path has no awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+from kvd.config import Config
+from kvd.control.pools import PoolRegistry
+from kvd.control.service import Service
+from kvd.io.events import EventPublisher
+from kvd.io.metrics import Metrics
+from kvd.io.notify import Notifier
+from kvd.io.region import Manifest, group_id
+from kvd.version import __version__
+from kvd_client.protocol import MAX_FRAME_BYTES, Layout
+
+log = logging.getLogger("kvd.io.server")
+
+
+def write_admin_token(path: Path) -> str:
+    """A fresh operator token in `path`, readable by this user (and root) only."""
+    token = secrets.token_hex(16)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # never reuse a file someone else may have made
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+# Deferred policy work starts once the daemon has had no request for this long.
+IDLE_S = 0.001
+
+
+class Server:
+    def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or Notifier({})
+        self.should_exit = asyncio.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._control: zmq.Socket[bytes] | None = None
+        self.pools: PoolRegistry | None = None
+        self.service: Service | None = None
+        self.publisher: EventPublisher | None = None
+        self.metrics = Metrics()
+        self._last_request = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    # -- startup ---------------------------------------------------------------
+
+    def startup(self) -> None:
+        cfg = self.config
+        gid = group_id(cfg.group)
+        runtime = cfg.runtime_path
+        runtime.mkdir(parents=True, exist_ok=True)
+        os.chmod(runtime, 0o750)
+        if gid is not None:
+            os.chown(runtime, -1, gid)
+        manifest = Manifest(runtime / "segments")
+        stale = manifest.unlink_stale()
+        if stale:
+            log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
+        self.pools = PoolRegistry(cfg, manifest, gid)
+        self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
+        for pc in cfg.pools:
+            layout = Layout(
+                pc.model,
+                pc.dtype,
+                pc.block_tokens,
+                pc.world_size,
+                pc.replicated,
+                pc.slot_bytes,
+                pc.extra,
+            )
+            self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
+        self._ctx = zmq.Context()
+        self.publisher = EventPublisher(
+            self._ctx,
+            cfg.events_endpoint,
+            cfg.replay_endpoint,
+            buffer_size=cfg.events_buffer,
+            topic_format=cfg.events_topic,
+            gid=gid,
+            int_block_hashes=cfg.events_int_hashes,
+        )
+        for pool in self.pools:  # every pool is announced cleared at start
+            self.publisher.all_cleared(pool.name)
+        self.publisher.flush(time.time())
+        if cfg.metrics_addr:
+            port = self.metrics.start_http(cfg.metrics_addr)
+            log.info("event=metrics_listening addr=%s port=%d", cfg.metrics_addr, port)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        path = cfg.control_socket
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a socket file left by a killed daemon
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o660)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        self._control = sock
+        log.info(
+            "event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
+            path,
+            len(self.pools),
+            __version__,
+            cfg.lease_ms,
+        )
+
+    # -- main loop -------------------------------------------------------------
+
+    def _drain(self) -> None:
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        outbox = service.outbox
+        observe = self.metrics.observe_rpc
+        for _ in range(10_000):  # bounded, so timers still get their turn
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            now = time.monotonic()
+            if len(frames) == 2:
+                service.handle(frames[0], frames[1], now)
+            else:
+                service.handle(frames[0], b"\xc1", now)  # never-valid msgpack -> BAD_REQUEST
+            if outbox:
+                self._flush()
+            observe(service.last_type.__name__, time.monotonic() - now)
+        else:
+            asyncio.get_running_loop().call_soon(self._drain)
+        # The work the policies kept off the request path waits for an idle
+        # daemon: between the requests of a busy client it would compete with
+        # their replies for the cores.
+        self._last_request = time.monotonic()
+        if self._idle_timer is None and service.has_idle_work():
+            self._idle_timer = asyncio.get_running_loop().call_later(IDLE_S, self._when_idle)
+        self._publish()
+
+    def _when_idle(self) -> None:
+        """Does the policies' deferred work, a step at a time, once no request
+        came for IDLE_S, and until one waits."""
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        loop = asyncio.get_running_loop()
+        self._idle_timer = None
+        if time.monotonic() - self._last_request < IDLE_S:
+            # Not idle yet: look again a whole IDLE_S later (the loop's timers
+            # have 1 ms resolution, so a shorter wait would spin).
+            self._idle_timer = loop.call_later(IDLE_S, self._when_idle)
+            return
+        while service.settle():
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                loop.call_soon(self._drain)
+                break
+
+    def _publish(self) -> None:
+        """Sends the index events of this loop turn: one batch per pool."""
+        service, publisher = self.service, self.publisher
+        assert service is not None and publisher is not None
+        service.collect_events()
+        if service.event_outbox:
+            for pool, events in service.event_outbox:
+                if events is None:
+                    publisher.all_cleared(pool)
+                else:
+                    publisher.add(pool, events)
+            service.event_outbox.clear()
+            publisher.flush(time.time())
+
+    def _replay(self) -> None:
+        assert self.publisher is not None
+        if self.publisher.handle_replay():
+            asyncio.get_running_loop().call_soon(self._replay)
+
+    def _flush(self) -> None:
+        sock, service = self._control, self.service
+        assert sock is not None and service is not None
+        for identity, frame in service.outbox:
+            try:
+                sock.send_multipart((identity, frame), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # peer's queue full: it will time out and retry
+                log.warning("event=send_dropped reason=%s", exc)
+        service.outbox.clear()
+
+    async def _ticker(self) -> None:
+        service = self.service
+        assert service is not None
+        period = min(self.config.lease_ms, self.config.job_timeout_ms) / 4000
+        while True:
+            await asyncio.sleep(max(0.01, min(period, 0.5)))
+            service.tick(time.monotonic())
+            if service.outbox:
+                self._flush()
+            self._publish()
+            self.metrics.update(service.stats())
+            self._drain()  # sends can swallow the edge of a new message
+
+    async def _watchdog(self) -> None:
+        # Pinged from the loop itself, so a wedged loop stops the pings.
+        if self.notifier.watchdog_s is None:
+            return
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(self.notifier.watchdog_s)
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.startup()
+        assert self._control is not None
+        fd = int(self._control.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._drain)
+        assert self.publisher is not None
+        replay_fd = self.publisher.replay_fd
+        if replay_fd is not None:
+            loop.add_reader(replay_fd, self._replay)
+            self._replay()
+        ticker = loop.create_task(self._ticker())
+        watchdog = loop.create_task(self._watchdog())
+        self._drain()
+        self.notifier.ready(f"listening on {self.config.control_socket}")
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.should_exit.set)
+            installed.append(sig)
+        try:
+            await self.should_exit.wait()
+            log.info("event=shutdown_started")
+        finally:
+            self.notifier.stopping()
+            watchdog.cancel()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            loop.remove_reader(fd)
+            if replay_fd is not None:
+                loop.remove_reader(replay_fd)
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            self.shutdown()
+
+    # -- shutdown --------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Fails in-flight jobs, tells their schedulers, unlinks every segment."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.service is not None:
+            self.service.shutdown()
+        if self._control is not None and self.service is not None:
+            self._flush()
+        if self.pools is not None and self.service is not None:
+            for pool in self.pools:
+                self.service.event_outbox.append((pool.name, None))
+            if self.publisher is not None:
+                self._publish()
+            self.pools.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self.metrics.close()
+        if self._control is not None:
+            self._control.close(linger=min(self.config.shutdown_timeout_ms, 1000))
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.config.control_socket).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.config.admin_token_file.unlink()
+        if self._ctx is not None:
+            self._ctx.term()
+        log.info("event=shutdown_complete")
+
+
+def run(config: Config) -> int:
+    server = Server(config, Notifier(os.environ))
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency, but stay runnable without it
+        asyncio.run(server.serve())
+    else:
+        uvloop.run(server.serve())
+    return 0

@@ -1,0 +1,101 @@
+"""Runs in the operator's shell: the `kvd bench SUITE [--json PATH]` sub-command.
+
+One sub-parser per registered suite (so `kvd bench index --help` shows that
+suite's flags) plus `all`, which runs every suite with its defaults. A suite
+module is imported only when it runs; see `kvd_tools.bench.suites` to add one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvd_tools.bench.report import Row, SuiteReport, render, suite_report, write_json
+from kvd_tools.bench.suites import SUITES, SuiteError
+
+ALL = "all"
+
+
+def _add_json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        dest="json_path",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH",
+    )
+
+
+def add_bench_parser(sub: Any) -> None:
+    """Adds `bench` and one sub-command per suite to the `kvd` sub-parsers `sub`."""
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark suite and print a markdown table",
+        description="Run a benchmark suite (SPEC section 10) and print a markdown table.",
+    )
+    suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
+    for name, suite in SUITES.items():
+        p = suites.add_parser(name, help=suite.help, description=suite.help)
+        suite.add_arguments(p)
+        _add_json_flag(p)
+    every = suites.add_parser(
+        ALL, help="run every suite with its defaults", description="Run every suite."
+    )
+    _add_json_flag(every)
+    every.add_argument(
+        "--plots",
+        type=Path,
+        default=Path("bench-plots"),
+        metavar="DIR",
+        help="write the PNG plots of the suites that draw one here (default: bench-plots)",
+    )
+
+
+def default_args(name: str) -> argparse.Namespace:
+    """The arguments suite `name` runs with when given no flags."""
+    p = argparse.ArgumentParser(prog=f"kvd bench {name}")
+    SUITES[name].add_arguments(p)
+    return p.parse_args([])
+
+
+def run_suite(name: str, args: argparse.Namespace) -> tuple[list[Row], list[str]]:
+    """Imports and runs suite `name`: its rows and its summary lines."""
+    module = importlib.import_module(SUITES[name].module)
+    run: Callable[[argparse.Namespace], list[Row]] = module.run
+    rows = run(args)
+    summarize: Callable[[list[Row]], list[str]] | None = getattr(module, "summarize", None)
+    summary = summarize(rows) if summarize is not None and rows else []
+    return rows, summary
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs the chosen suite (or all of them), prints tables, writes JSON if asked.
+
+    Exit status 0, or 2 when a suite could not run (the others still do).
+    """
+    from kvd_tools.bench.machine import describe_machine
+
+    names = list(SUITES) if args.suite == ALL else [args.suite]
+    machine = describe_machine()
+    reports: list[SuiteReport] = []
+    status = 0
+    for name in names:
+        suite_args = default_args(name) if args.suite == ALL else args
+        if args.suite == ALL and hasattr(suite_args, "png"):
+            suite_args.png = args.plots / f"{name}.png"
+        try:
+            rows, summary = run_suite(name, suite_args)
+        except SuiteError as exc:
+            print(f"kvd bench {name}: error: {exc}", file=sys.stderr)
+            status = 2
+            continue
+        print(render(name, rows, summary), flush=True)
+        reports.append(suite_report(name, machine, rows))
+    if args.json_path is not None and reports:
+        write_json(args.json_path, reports if args.suite == ALL else reports[0])
+    return status

@@ -1,0 +1,294 @@
+"""Runs in the operator's shell: the registry of `kvd bench` suites and their flags.
+
+Adding a suite takes two steps:
+
+1. write a module `tools/kvd_tools/bench/<name>.py` with
+   `run(args: argparse.Namespace) -> list[Row]` (rows carry the SPEC section 10
+   field names, in column order) and, optionally,
+   `summarize(rows: list[Row]) -> list[str]` (lines printed under the table);
+2. add `"<name>": Suite("kvd_tools.bench.<name>", help, add_arguments)` to `SUITES`.
+
+The registry imports no suite module: flags are declared here, and a suite
+module (with its torch, zmq, ...) is imported only when it runs, so `kvd
+--help` stays fast. A suite that cannot run as asked raises `SuiteError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd_tools.bench.soak import add_arguments as _soak_arguments  # imports argparse only
+
+
+class SuiteError(Exception):
+    """A suite cannot run as asked (missing input, bad data); the CLI prints it, exit 2."""
+
+
+@dataclass(frozen=True, slots=True)
+class Suite:
+    module: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: `10000,100000` -> [10000, 100000]; each must be >= 1."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: one integer >= 1."""
+    values = positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer, got {text!r}")
+    return values[0]
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _index_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes",
+        type=positive_ints,
+        default=[10_000, 100_000, 1_000_000],
+        metavar="N,...",
+        help="index sizes in blocks (default: 10000,100000,1000000)",
+    )
+    p.add_argument(
+        "--min-batches",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="steady-state batches of 64 keys to time, at least (default: 2000)",
+    )
+    p.add_argument(
+        "--min-seconds",
+        type=_non_negative_float,
+        default=0.5,
+        metavar="S",
+        help="time each steady-state measurement for at least S seconds (default: 0.5)",
+    )
+
+
+def _trace_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trace",
+        type=str,
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="Mooncake-format JSONL trace; repeat for several "
+        "(default: ../shared/traces/synthetic_trace.jsonl)",
+    )
+    p.add_argument(
+        "--capacity",
+        type=positive_ints,
+        default=[2000, 6000, 29000],
+        metavar="N,...",
+        help="cache capacities in blocks (default: 2000,6000,29000)",
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot hit rate vs capacity"
+    )
+
+
+def _rpc_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--clients",
+        type=positive_ints,
+        default=[1, 4, 8],
+        metavar="N,...",
+        help="client process counts (default: 1,4,8)",
+    )
+    p.add_argument(
+        "--ops",
+        type=positive_int,
+        default=5000,
+        metavar="N",
+        help="lookups per client and per server (default: 5000)",
+    )
+    p.add_argument(
+        "--policy",
+        choices=["lru", "arc", "adaptive"],
+        help="the pool's eviction policy (default: the daemon's default)",
+    )
+    p.add_argument(
+        "--distinct",
+        action="store_true",
+        help="cycle through 32 different lookups instead of repeating one",
+    )
+
+
+def _mla_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--world-sizes",
+        type=positive_ints,
+        default=[2, 4],
+        metavar="N,...",
+        help="TP sizes (default: 2,4)",
+    )
+
+
+def _e2e_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_ints,
+        default=[1024, 2048, 4096, 8192],
+        metavar="N,...",
+        help="prompt lengths in tokens (default: 1024,2048,4096,8192)",
+    )
+    p.add_argument(
+        "--variant", choices=("mha", "mla", "both"), default="both", help="(default: both)"
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot TTFT vs prompt length"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="time each TTFT at least N times, shorter prompts more often, and keep the "
+        "fastest (default: 2)",
+    )
+
+
+def _rates(text: str) -> list[float]:
+    """An argparse type: `0,0.5,1` -> [0.0, 0.5, 1.0], each in [0, 1]."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
+
+
+def _throughput_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hit-rates",
+        type=_rates,
+        default=[0.0, 0.25, 0.5, 0.75, 1.0],
+        metavar="H,...",
+        help="shares of prompt blocks served from kvd (default: 0,0.25,0.5,0.75,1)",
+    )
+    p.add_argument(
+        "--variant", choices=("mha", "mla", "both"), default="both", help="(default: both)"
+    )
+    p.add_argument(
+        "--prompts", type=positive_int, default=8, metavar="N", help="batch size (default: 8)"
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="tokens per prompt (default: 2048)",
+    )
+    p.add_argument(
+        "--png", type=Path, default=None, metavar="PATH", help="also plot requests/s vs hit rate"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="serve the batch N times per hit rate, keep the fastest (default: 2)",
+    )
+    p.add_argument(
+        "--gen-tokens",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tokens generated per request (default: 1, prefill-bound requests)",
+    )
+
+
+def _transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default: cpu")
+    p.add_argument(
+        "--copier",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="CPU only: the native block copier, torch indexing alone, or auto "
+        "(native where it was built; default)",
+    )
+    p.add_argument(
+        "--total-mb",
+        type=positive_int,
+        default=256,
+        metavar="MB",
+        help="bytes moved per measurement, in MiB (default: 256)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=5,
+        metavar="N",
+        help="keep the best of N interleaved measurements (default: 5)",
+    )
+
+
+SUITES: dict[str, Suite] = {
+    "index": Suite(
+        "kvd_tools.bench.index",
+        "block index: us per key and bytes per block, by size and policy",
+        _index_arguments,
+    ),
+    "trace": Suite(
+        "kvd_tools.bench.trace",
+        "hit rate of each policy and of Belady's optimum replaying a request trace",
+        _trace_arguments,
+    ),
+    "rpc": Suite(
+        "kvd_tools.bench.rpc",
+        "lookup of 64 keys: p50/p99 and ops/s at 1, 4, 8 clients, against a bare pyzmq echo",
+        _rpc_arguments,
+    ),
+    "mla": Suite(
+        "kvd_tools.bench.mla",
+        "host and device-to-host bytes per block, replicated vs sharded, at TP=N",
+        _mla_arguments,
+    ),
+    "e2e": Suite(
+        "kvd_tools.bench.e2e",
+        "demo engine time to first token: cached prefix vs recompute, by prompt length",
+        _e2e_arguments,
+    ),
+    "throughput": Suite(
+        "kvd_tools.bench.throughput",
+        "demo engine requests/s at kvd hit rates from 0 to 1",
+        _throughput_arguments,
+    ),
+    "soak": Suite(
+        "kvd_tools.bench.soak",
+        "the daemon under faults: ops, faults, violations (must be 0), RSS after warm-up",
+        _soak_arguments,
+    ),
+    "transfer": Suite(
+        "kvd_tools.bench.transfer",
+        "scattered store/load GB/s through the copy backend vs one contiguous torch copy",
+        _transfer_arguments,
+    ),
+}
