@@ -82,9 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
         add_commands(sub)
     else:
-        for name in TOOL_COMMANDS:
-            missing = sub.add_parser(name, help=f"needs the operator tools ({TOOLS_DIST})")
-            missing.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        for name in TOOL_COMMANDS:  # listed in --help; `main` answers them
+            sub.add_parser(name, help=f"needs the operator tools ({TOOLS_DIST})")
     return parser
 
 
@@ -204,6 +203,14 @@ def _stats_table(s: Any) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOL_COMMANDS and not tools_installed():
+        print(
+            f"kvd: `kvd {argv[0]}` needs kvd's operator tools: "
+            f"pip install {TOOLS_DIST} (from a checkout: pip install ./tools)",
+            file=sys.stderr,
+        )
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     match args.command:
@@ -215,13 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         case "ping" | "stats" | "pools" | "pool":
             return _client_command(args)
         case "demo" | "bench":
-            if not tools_installed():
-                print(
-                    f"kvd: `kvd {args.command}` needs kvd's operator tools: "
-                    f"pip install {TOOLS_DIST} (from a checkout: pip install ./tools)",
-                    file=sys.stderr,
-                )
-                return 2
             from kvd_tools.commands import run
 
             return run(args)

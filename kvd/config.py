@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from kvd_client.paths import ADMIN_TOKEN_FILE, default_runtime_dir
-from kvd_client.protocol import MAX_NAME_CHARS
+from kvd_client.protocol import MAX_NAME_CHARS, POOL_NAME_PATTERN
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvd/kvd.toml")
 GiB = 1 << 30
@@ -25,7 +25,7 @@ GiB = 1 << 30
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Fraction = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-PoolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=MAX_NAME_CHARS)]
+PoolName = Annotated[str, msgspec.Meta(pattern=POOL_NAME_PATTERN, max_length=MAX_NAME_CHARS)]
 PolicyName = Literal["lru", "arc", "adaptive"]
 
 

@@ -34,13 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import index, sub
-from typing import Literal
 
 from kvd_client.errors import BadRequest
 from kvd_client.geometry import Geometry
+from kvd_client.types import JOB_KINDS, JobKind
 
-Kind = Literal["store", "load"]
-KINDS: tuple[Kind, ...] = ("store", "load")
 # Widest first: a copy moves elements of the widest size that divides every
 # offset, size and stride involved, so no copy ever works byte by byte.
 ELEMENT_SIZES = (8, 4, 2, 1)
@@ -132,7 +130,7 @@ class CopyPlan:
     per block, well under the time its bytes take to copy.
     """
 
-    kind: Kind
+    kind: JobKind
     device_ids: Sequence[int]
     pool_ids: Sequence[int]
     run_starts: Sequence[int]
@@ -143,11 +141,6 @@ class CopyPlan:
 
     def run_counts(self) -> list[int]:
         return list(map(sub, [*self.run_starts[1:], self.num_blocks], self.run_starts))
-
-    @property
-    def runs(self) -> list[Run]:
-        d, p = self.device_ids, self.pool_ids
-        return [Run(d[a], p[a], c) for a, c in zip(self.run_starts, self.run_counts(), strict=True)]
 
     def split(self, min_count: int) -> tuple[list[Run], Sequence[int], Sequence[int]]:
         """Runs of at least `min_count` pairs, and the pairs of the shorter runs.
@@ -197,11 +190,6 @@ def run_starts(device_ids: Sequence[int], pool_ids: Sequence[int]) -> list[int]:
     return starts
 
 
-def coalesce(device_ids: Sequence[int], pool_ids: Sequence[int]) -> list[Run]:
-    """Consecutive pairs that advance by one on both sides, as runs, in job order."""
-    return CopyPlan("store", device_ids, pool_ids, run_starts(device_ids, pool_ids)).runs
-
-
 def check_job(
     kind: str,
     device_ids: Sequence[int],
@@ -216,7 +204,7 @@ def check_job(
     ids of a store, the device ids of a load): with distinct destinations the
     pairs are independent, so a backend may copy them in any order.
     """
-    if kind not in KINDS:
+    if kind not in JOB_KINDS:
         raise BadRequest(f"job kind must be 'store' or 'load', got {kind!r}")
     n = len(device_ids)
     if len(pool_ids) != n:
@@ -251,5 +239,5 @@ def plan_copy(
 ) -> CopyPlan:
     """The checked, coalesced plan of one job; `BadRequest` as `check_job` says."""
     check_job(kind, device_ids, pool_ids, num_device_blocks, num_pool_blocks)
-    checked: Kind = "store" if kind == "store" else "load"
+    checked: JobKind = "store" if kind == "store" else "load"
     return CopyPlan(checked, device_ids, pool_ids, run_starts(device_ids, pool_ids))

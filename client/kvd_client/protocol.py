@@ -11,9 +11,12 @@ the daemon to workers with `req_id = 0`.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 import msgspec
+
+from kvd_client.types import JobKind
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
@@ -29,7 +32,15 @@ Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 DeviceBlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 DeviceBlockIds = Annotated[list[DeviceBlockId], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 Role = Literal["scheduler", "worker", "admin"]
-JobKind = Literal["store", "load"]
+# A pool name names a segment (/kvd.<pool>.<generation>) and a metrics label.
+POOL_NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
+_POOL_NAME = re.compile(POOL_NAME_PATTERN)
+
+
+def valid_pool_name(name: str) -> bool:
+    """The pool-name rule, for the config, `Attach` and tools: 1 to `MAX_NAME_CHARS`
+    ASCII letters, digits, `-` and `_`."""
+    return len(name) <= MAX_NAME_CHARS and _POOL_NAME.fullmatch(name) is not None
 
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_CHARS)]

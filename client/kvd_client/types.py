@@ -7,8 +7,13 @@ engine code reads the same shapes in process and out of process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 Key = bytes
+# What a transfer job does: the daemon's job table, the wire and the copy planner
+# all spell it with this one type.
+JobKind = Literal["store", "load"]
+JOB_KINDS: tuple[JobKind, ...] = ("store", "load")
 
 
 @dataclass(frozen=True, slots=True)

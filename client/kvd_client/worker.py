@@ -28,7 +28,7 @@ from kvd_client.backends import CopyJob, CopyResult, TransferBackend, make_backe
 from kvd_client.connection import Connection
 from kvd_client.errors import BadRequest, KvdError, Unavailable
 from kvd_client.geometry import Geometry
-from kvd_client.paths import default_endpoint
+from kvd_client.settings import ClientSettings
 
 log = logging.getLogger("kvd_client")
 _REMEMBER_DONE = 65_536
@@ -80,6 +80,7 @@ class Worker:
         endpoint: str | None = None,
         device: str | None = None,
         timeout_ms: int = 2000,
+        settings: ClientSettings | None = None,
     ) -> None:
         if not 0 <= rank < world_size or world_size != layout.world_size:
             raise BadRequest(
@@ -91,13 +92,14 @@ class Worker:
         self.layout = layout
         self.kv_caches = kv_caches
         self.device = device
+        self.settings = settings if settings is not None else ClientSettings.from_env()
         self._mapping: Mapping | None = None
         self._backend: TransferBackend | None = None
         self._submitted: set[int] = set()
         self._done: OrderedDict[int, CopyResult] = OrderedDict()
         self.bytes_copied = 0
         self._conn = Connection(
-            endpoint or default_endpoint(),
+            endpoint or self.settings.endpoint,
             role="worker",
             engine_id=engine_id,
             rank=rank,
@@ -128,7 +130,12 @@ class Worker:
         self._close_backend()
         self._mapping = Mapping(reply, self.layout.replicated)
         self._backend = make_backend(
-            self.device, self.kv_caches, self._mapping.mm, self._mapping.geometry, self.rank
+            self.device,
+            self.kv_caches,
+            self._mapping.mm,
+            self._mapping.geometry,
+            self.rank,
+            native_min_bytes=self.settings.native_min_bytes,
         )
 
     # -- jobs ------------------------------------------------------------------

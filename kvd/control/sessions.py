@@ -34,7 +34,6 @@ class SessionTable:
         self._by_id: dict[int, Session] = {}
         self._workers: dict[tuple[str, str], dict[int, Session]] = {}
         self._next_id = 1
-        self.num_expired = 0
 
     def __len__(self) -> int:
         return len(self._by_id)

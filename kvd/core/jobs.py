@@ -11,19 +11,29 @@ engine. Two moments matter and they differ:
               so a late writer can never scribble over a reused slot.
 
 Time is passed in by the caller (`now`, seconds); nothing here reads a clock.
+What the scheduler is told, and what the index is told, is the caller's
+(`kvd.control.transfers`): this module only says when.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvd.core.index import Key
 from kvd.errors import BadRequest, KvdError
 from kvd_client.errors import ErrorCode
-from kvd_client.protocol import JobResult
+from kvd_client.types import JobKind
 
-JobKind = Literal["store", "load"]
+JobOwner = tuple[str, int]
+
+
+def job_owner(job_id: int) -> JobOwner:
+    """The owner token of a job's stores and pins in its pool's `OwnedIndex`.
+
+    Needed before the job exists (the store is prepared first), so it is a
+    function of the id; `Job.owner` is the same token.
+    """
+    return ("job", job_id)
 
 
 @dataclass
@@ -50,9 +60,8 @@ class Job:
     settled: bool = False
 
     @property
-    def owner(self) -> tuple[str, int]:
-        """The owner token of the job's stores and pins in the pool's `OwnedIndex`."""
-        return ("job", self.job_id)
+    def owner(self) -> JobOwner:
+        return job_owner(self.job_id)
 
     @property
     def pending(self) -> frozenset[int]:
@@ -62,16 +71,13 @@ class Job:
     def ok(self) -> bool:
         return not self.failure and all(self.acked.get(r, False) for r in self.ranks)
 
-    def result(self) -> JobResult:
-        return JobResult(self.job_id, self.ok, self.nbytes, self.seconds, self.failure)
-
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What the daemon must do for a job after a transition."""
 
     job: Job
-    report: bool  # hand `job.result()` to the scheduler now
+    report: bool  # tell the scheduler how the job ended, now
     settle: bool  # complete the store / release the pins in the index now
 
 
@@ -80,7 +86,6 @@ class JobTable:
         self.timeout_s = timeout_s
         self._jobs: dict[int, Job] = {}
         self._next_id = 1
-        self._results: dict[int, list[JobResult]] = {}
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -185,18 +190,6 @@ class JobTable:
             job.failure = job.failure or reason
             outcomes.append(self._advance(job))
         return outcomes
-
-    def jobs_of_pool(self, pool: str) -> list[Job]:
-        return [j for j in self._jobs.values() if j.pool == pool]
-
-    def add_result(self, session_id: int, result: JobResult) -> None:
-        self._results.setdefault(session_id, []).append(result)
-
-    def take_results(self, session_id: int) -> list[JobResult]:
-        return self._results.pop(session_id, [])
-
-    def forget_session(self, session_id: int) -> None:
-        self._results.pop(session_id, None)
 
     def _advance(self, job: Job) -> Outcome:
         report = False

@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from kvd.version import __version__
 from kvd_client.errors import ErrorCode
 from kvd_client.protocol import StatsResult
+from kvd_client.types import JOB_KINDS
 
 # 10 us to 1 s: a lookup answers in tens of microseconds, a stuck loop in seconds.
 RPC_BUCKETS = (
@@ -69,7 +70,6 @@ _COUNTERS = (
     ("kvd_evictions", "Blocks evicted to make room.", "evictions"),
 )
 _STATES = ("ready", "in_flight", "pinned", "free")
-_JOB_KINDS = ("store", "load")
 
 
 class Metrics(Collector):
@@ -154,7 +154,7 @@ class Metrics(Collector):
             "kvd_jobs_failed",
             "Failed transfer jobs, by kind.",
             "kind",
-            _JOB_KINDS,
+            JOB_KINDS,
         )
         yield CounterMetricFamily(
             "kvd_lease_expirations", "Sessions rolled back at lease expiry.", s.lease_expirations

@@ -272,8 +272,7 @@ class Server:
         if self._control is not None and self.service is not None:
             self._flush()
         if self.pools is not None and self.service is not None:
-            for pool in self.pools:
-                self.service.event_outbox.append((pool.name, None))
+            self.service.admin.announce_cleared()
             if self.publisher is not None:
                 self._publish()
             self.pools.close()

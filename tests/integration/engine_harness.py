@@ -98,10 +98,13 @@ def worker_main(
             elif cmd == "poll":
                 assert worker is not None
                 conn.send(("ok", worker.poll(args)))
-            elif cmd == "native_min_bytes":  # where this process's CPU backend goes native
-                from kvd_client.backends.native import available, default_native_min_bytes
+            elif cmd == "native_min_bytes":  # the setting this rank's Worker reads
+                from kvd_client.backends.native import available
+                from kvd_client.settings import ClientSettings
 
-                conn.send(("ok", default_native_min_bytes() if available() else None))
+                conn.send(
+                    ("ok", ClientSettings.from_env().native_min_bytes if available() else None)
+                )
             elif cmd == "bytes":
                 assert worker is not None
                 conn.send(("ok", worker.bytes_copied))

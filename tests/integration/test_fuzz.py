@@ -82,14 +82,6 @@ def envelope_req_id(frame: bytes) -> int:
     return req_id if 0 <= req_id < 1 << 63 else 0
 
 
-def valid_pool_name(name: str) -> bool:
-    return (
-        0 < len(name) <= p.MAX_NAME_CHARS
-        and name.isascii()
-        and name.replace("-", "").replace("_", "").isalnum()
-    )
-
-
 # -- the model -----------------------------------------------------------------
 
 
@@ -350,7 +342,7 @@ class Model:
 
     def _attach(self, peer: Peer, req: p.Attach, reply: p.Reply) -> p.Reply:
         name, lay = req.pool, req.layout
-        if not valid_pool_name(name):
+        if not p.valid_pool_name(name):
             raise KvdError("pool name", ErrorCode.BAD_REQUEST)
         if peer.pool is not None and peer.pool != name:
             raise KvdError("attached elsewhere", ErrorCode.BAD_REQUEST)

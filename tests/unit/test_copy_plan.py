@@ -16,13 +16,25 @@ from kvd_client.copy_plan import (
     Run,
     SlotLayout,
     check_job,
-    coalesce,
     plan_copy,
     run_starts,
     widest_element,
 )
 from kvd_client.errors import BadRequest
 from kvd_client.geometry import Geometry
+
+
+def all_runs(plan: CopyPlan) -> list[Run]:
+    """Every run of `plan`, in job order (`split` with no minimum keeps them all)."""
+    runs, devices, pools = plan.split(1)
+    assert not devices and not pools
+    return runs
+
+
+def coalesce(device_ids: list[int], pool_ids: list[int]) -> list[Run]:
+    """Consecutive pairs that advance by one on both sides, as runs, in job order."""
+    return all_runs(CopyPlan("store", device_ids, pool_ids, run_starts(device_ids, pool_ids)))
+
 
 # -- element width --------------------------------------------------------------
 
@@ -102,12 +114,12 @@ def test_runs_need_both_sides_to_advance_by_one() -> None:
 
 def test_split_keeps_long_runs_and_lists_the_rest_in_job_order() -> None:
     plan = plan_copy("store", [0, 1, 2, 3, 9, 20, 21], [5, 6, 7, 8, 0, 30, 31], 32, 32)
-    assert plan.runs == [Run(0, 5, 4), Run(9, 0, 1), Run(20, 30, 2)]
+    assert all_runs(plan) == [Run(0, 5, 4), Run(9, 0, 1), Run(20, 30, 2)]
     runs, devices, pools = plan.split(3)
     assert runs == [Run(0, 5, 4)]
     assert (list(devices), list(pools)) == ([9, 20, 21], [0, 30, 31])
     runs, devices, pools = plan.split(1)
-    assert runs == plan.runs and not devices and not pools
+    assert runs == all_runs(plan) and not devices and not pools
     runs, devices, pools = plan.split(5)
     assert runs == [] and list(devices) == plan.device_ids
 
@@ -270,7 +282,9 @@ def test_plan_moves_the_same_bytes_as_a_naive_copy(
     assert host == expected_host
     assert device == expected_device
     # The runs cover every pair, in job order.
-    expanded = [(r.device_start + i, r.pool_start + i) for r in plan.runs for i in range(r.count)]
+    expanded = [
+        (r.device_start + i, r.pool_start + i) for r in all_runs(plan) for i in range(r.count)
+    ]
     assert expanded == list(zip(device_ids, pool_ids, strict=True))
 
 
@@ -294,6 +308,7 @@ ALLOWED = {
     "typing",
     "kvd_client.errors",
     "kvd_client.geometry",
+    "kvd_client.types",
 }
 
 

@@ -215,18 +215,16 @@ def test_unknown_cache_sizes_read_as_none(tmp_path: Path) -> None:
         assert last_level_cache_bytes(tmp_path / name) is None
 
 
-def test_native_min_bytes_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_min_bytes_comes_from_the_environment() -> None:
     from kvd_client.backends.native import default_native_min_bytes
     from kvd_client.errors import BadRequest
+    from kvd_client.settings import ClientSettings
 
-    monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", "0")
-    assert default_native_min_bytes() == 0
-    monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", " 4096 ")
-    assert default_native_min_bytes() == 4096
+    assert ClientSettings.from_env({"KVD_NATIVE_MIN_BYTES": "0"}).native_min_bytes == 0
+    assert ClientSettings.from_env({"KVD_NATIVE_MIN_BYTES": " 4096 "}).native_min_bytes == 4096
     for bad in ("-1", "1MiB", "lots"):
-        monkeypatch.setenv("KVD_NATIVE_MIN_BYTES", bad)
         with pytest.raises(BadRequest, match="KVD_NATIVE_MIN_BYTES"):
-            default_native_min_bytes()
-    monkeypatch.delenv("KVD_NATIVE_MIN_BYTES")
+            ClientSettings.from_env({"KVD_NATIVE_MIN_BYTES": bad})
+    assert ClientSettings.from_env({}).native_min_bytes is None  # the backend's default:
     cache = last_level_cache_bytes()
     assert default_native_min_bytes() == (cache // 4 if cache else 32 << 20)

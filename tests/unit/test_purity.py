@@ -1,4 +1,9 @@
-"""The pure core imports no I/O (STYLE rule 1, SPEC section 4).
+"""The pure core imports no I/O (STYLE rule 1, SPEC sections 2 and 4).
+
+The pure core is a folder, `kvd/core/` (index, policies, ownership, the job
+state machine): every module found in it is checked, so a new one is checked
+without being listed. The client's copy planner (`kvd_client.copy_plan`, which
+a TP worker runs) is pure too and is checked with it.
 
 Two checks. A static one parses every module of the pure core with `ast` and
 follows its imports through the `kvd` and `kvd_client` packages (parent
@@ -19,8 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvd": ROOT / "kvd", "kvd_client": ROOT / "client" / "kvd_client"}
-# STYLE rule 1: the index, the job state machine, the copy planner (each skipped if absent).
-PURE = ["kvd.core.index", "kvd.core.jobs", "kvd_client.copy_plan"]
+CORE = ROOT / "kvd" / "core"
+# STYLE rule 1: the daemon's core folder, and the worker's copy planner.
+PURE = ["kvd.core", "kvd_client.copy_plan"]
+# What the core may take from the client package: types that know no wire.
+WIRE_FREE = frozenset({"kvd_client", "kvd_client.errors", "kvd_client.types"})
 # No sockets, files, clocks, threads, processes, event loops or GPU.
 FORBIDDEN = frozenset(
     {
@@ -164,9 +172,34 @@ def violations(graph: Mapping[str, set[str]]) -> list[str]:
     )
 
 
+def test_the_core_folder_is_what_is_checked() -> None:
+    found = {
+        ".".join(("kvd", *f.relative_to(ROOT / "kvd").with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for f in CORE.rglob("*.py")
+    }
+    assert set(submodules("kvd.core")) == found
+    assert {"kvd.core.jobs", "kvd.core.ownership", "kvd.core.index.block_index"} <= found
+
+
+def test_the_core_takes_only_wire_free_types_from_the_client() -> None:
+    graph = import_graph(submodules("kvd.core"))
+    from_client = {
+        imported
+        for module, names in graph.items()
+        if module.startswith("kvd.core")
+        for imported in names
+        if imported.split(".")[0] == "kvd_client"
+    }
+    assert from_client  # the walk saw the shared errors and types
+    assert from_client <= WIRE_FREE, sorted(from_client - WIRE_FREE)
+
+
 def test_pure_core_imports_nothing_forbidden_statically() -> None:
     roots = [m for name in PURE for m in submodules(name)]
     assert "kvd.core.index.block_index" in roots and "kvd.core.index.policies.arc" in roots
+    assert "kvd.core.jobs" in roots and "kvd.core.ownership" in roots
     graph = import_graph(roots)
     # The walk did follow imports out of the core, into the shared errors.
     assert {"kvd", "kvd.errors", "kvd_client", "kvd_client.errors"} <= set(graph)

@@ -19,9 +19,18 @@ __all__ = ["CopyJob", "CopyResult", "TransferBackend", "make_backend"]
 
 
 def make_backend(
-    device: str | None, kv_caches: Any, region: Buffer, geometry: Geometry, rank: int
+    device: str | None,
+    kv_caches: Any,
+    region: Buffer,
+    geometry: Geometry,
+    rank: int,
+    *,
+    native_min_bytes: int | None = None,
 ) -> TransferBackend:
     """The backend for `device` ("cpu", "cuda", "cuda:N"; None: where `kv_caches` live).
+
+    `native_min_bytes` is the CPU backend's switch to its native copier
+    (`kvd_client.settings`; None: its default).
 
     `BadRequest` for another device or for caches that do not fit the geometry.
     """
@@ -32,7 +41,7 @@ def make_backend(
     if kind == "cpu":
         from kvd_client.backends.cpu import CpuBackend
 
-        return CpuBackend(kv_caches, region, geometry, rank)
+        return CpuBackend(kv_caches, region, geometry, rank, native_min_bytes=native_min_bytes)
     if kind == "cuda":
         from kvd_client.backends.cuda import CudaBackend
 

@@ -110,7 +110,7 @@ class CpuBackend(TransferBackend):
             native_copier(views, parallel_min_bytes=parallel_min_bytes) if native else None
         )
         # Jobs of this many bytes and more go native (None: a quarter of the LLC).
-        self._native_min_bytes = (
+        self.native_min_bytes = (
             default_native_min_bytes() if native_min_bytes is None else native_min_bytes
         )
         self._span = LayerSpan.build(views) if layer_span else None
@@ -129,7 +129,7 @@ class CpuBackend(TransferBackend):
 
     def copier_for(self, nbytes: int) -> str:
         """Which copier a job of `nbytes` takes: "native" or "torch"."""
-        return "native" if self.native is not None and nbytes >= self._native_min_bytes else "torch"
+        return "native" if self.native is not None and nbytes >= self.native_min_bytes else "torch"
 
     # -- TransferBackend -------------------------------------------------------
 

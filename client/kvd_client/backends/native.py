@@ -9,8 +9,9 @@ streaming stores. `_blockcopy.c` says why that pays.
 It pays only for jobs too large to stay in cache: streaming stores go to
 memory even when the destination would have fit in cache, where plain
 stores (torch's copies) are faster. `native_min_bytes` is where the CPU
-backend switches: the environment's `KVD_NATIVE_MIN_BYTES` where set (0
-sends every job native), else a quarter of the last-level cache.
+backend switches: `KVD_NATIVE_MIN_BYTES` where set (0 sends every job
+native; read by `kvd_client.settings` and passed down), else a quarter of
+the last-level cache.
 
 On the development VM (a 480 MiB last-level cache, shared with other
 guests; `kvd bench transfer --total-mb N --copier native|torch`), torch was
@@ -21,7 +22,6 @@ ahead at 32 and 64 MiB per job; at 128 MiB the native copier led on
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +30,6 @@ from types import ModuleType
 import torch
 
 from kvd_client.backends.views import BlockViews, id_tensor
-from kvd_client.errors import BadRequest
 
 _blockcopy: ModuleType | None
 try:
@@ -40,7 +39,6 @@ except ImportError:  # built without a compiler: the torch paths serve
 
 # Where the last-level cache size cannot be read: a modest server's quarter.
 FALLBACK_NATIVE_MIN_BYTES = 32 << 20
-NATIVE_MIN_BYTES_ENV = "KVD_NATIVE_MIN_BYTES"
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 # Helper threads (up to torch's thread count) from this many bytes per job;
 # starting a thread costs tens of microseconds.
@@ -75,19 +73,8 @@ def last_level_cache_bytes(caches: Path = CPU_CACHES) -> int | None:
 
 
 def default_native_min_bytes() -> int:
-    """Job size from which jobs go native: `KVD_NATIVE_MIN_BYTES` where set, else a
-    quarter of the last-level cache; `BadRequest` for a setting that is not a size."""
-    setting = os.environ.get(NATIVE_MIN_BYTES_ENV, "").strip()
-    if setting:
-        try:
-            value = int(setting)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise BadRequest(
-                f"{NATIVE_MIN_BYTES_ENV}={setting!r}: want a whole number of bytes (0 or more)"
-            )
-        return value
+    """Job size from which jobs go native when not configured: a quarter of the
+    last-level cache, or `FALLBACK_NATIVE_MIN_BYTES` where its size is unknown."""
     cache = last_level_cache_bytes()
     return cache // 4 if cache is not None else FALLBACK_NATIVE_MIN_BYTES
 

@@ -1,0 +1,133 @@
+"""Runs in the daemon: pool administration, from `Attach` to `DropPool` (SPEC sections 3 and 11).
+
+`PoolAdmin` attaches sessions to pools (creating a pool on first use), drops
+and resets pools once their jobs are settled, answers `Pools` and
+`CheckInvariants`, and moves the pools' index events to the publisher's
+outbox. Only the operator token opens `DropPool`: engines share the group
+that opens the socket, but only the service user and root can read the
+token's file.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections import Counter
+from pathlib import Path
+
+from kvd.control.pools import Pool, PoolRegistry
+from kvd.control.sessions import Session, SessionTable
+from kvd.control.transfers import Transfers
+from kvd.core.index import OffloadingEvent
+from kvd.errors import BadRequest, KvdError
+from kvd_client import protocol as p
+from kvd_client.errors import ErrorCode
+
+log = logging.getLogger("kvd.control.admin")
+# (pool, events) for the publisher; events None = all blocks cleared.
+EventOutbox = list[tuple[str, list[OffloadingEvent] | None]]
+
+
+class PoolAdmin:
+    def __init__(
+        self,
+        pools: PoolRegistry,
+        sessions: SessionTable,
+        transfers: Transfers,
+        counters: Counter[str],
+        admin_token: str,
+        admin_token_file: Path,
+    ) -> None:
+        self.pools = pools
+        self._sessions = sessions
+        self._transfers = transfers
+        self._counters = counters
+        self._admin_token = admin_token.encode()
+        self._admin_token_file = admin_token_file
+        self.event_outbox: EventOutbox = []
+
+    def attach(self, s: Session, req: p.Attach) -> tuple[p.Reply, Session | None]:
+        """Attaches `s`; the reply, and a worker session this one replaced (to end)."""
+        if not p.valid_pool_name(req.pool):
+            raise BadRequest(f"pool name {req.pool[:64]!r} must be ASCII letters, digits, - and _")
+        if s.pool is not None and s.pool != req.pool:
+            raise BadRequest(f"this session is attached to pool {s.pool!r}; open another one")
+        if s.role == "worker" and s.world_size != req.layout.world_size:
+            raise BadRequest(
+                f"worker world_size {s.world_size} != layout world_size {req.layout.world_size}"
+            )
+        created = self.pools.find(req.pool) is None
+        pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
+        if created:  # consumers start this pool's topic from a clean slate
+            self.event_outbox.append((pool.name, None))
+        if (s.pool, s.generation) != (pool.name, pool.generation):
+            pool.sessions += 1  # first attach, or again after the pool was re-created
+        s.pool, s.generation = pool.name, pool.generation
+        replaced = None
+        if s.role == "worker":
+            replaced = self._sessions.register_worker(s)
+            if replaced is not None:
+                log.warning(
+                    "event=worker_replaced engine=%s rank=%d old_session=%d",
+                    s.engine_id,
+                    s.rank,
+                    replaced.session_id,
+                )
+        return pool.attached(req.req_id), replaced
+
+    def pool_of(self, s: Session) -> Pool:
+        """The pool `s` is attached to; `NO_SUCH_POOL` once it was dropped."""
+        if s.pool is None:
+            raise KvdError("send Attach first", ErrorCode.NOT_ATTACHED)
+        pool = self.pools.find(s.pool)
+        if pool is None or pool.generation != s.generation:
+            raise KvdError(f"pool {s.pool!r} was dropped; attach again", ErrorCode.NO_SUCH_POOL)
+        return pool
+
+    def drop(self, req: p.DropPool) -> p.Reply:
+        if not hmac.compare_digest(req.token.encode(), self._admin_token):
+            raise KvdError(
+                f"DropPool needs the operator token in {self._admin_token_file}, "
+                "which the service user and root can read (`kvd pool drop` sends it)",
+                ErrorCode.WRONG_ROLE,
+            )
+        self.pools.get(req.pool)
+        self._transfers.fail_all(f"pool {req.pool} dropped", pool=req.pool)
+        self.collect_events()
+        self.pools.drop(req.pool)
+        self.event_outbox.append((req.pool, None))
+        return p.Ok(req.req_id)
+
+    def reset(self, req: p.Reset) -> p.Reply:
+        pool = self.pools.get(req.pool)
+        self._transfers.fail_all(f"pool {req.pool} reset", pool=req.pool)
+        self.collect_events()
+        pool.owned.reset()
+        self.event_outbox.append((req.pool, None))
+        log.info("event=pool_reset pool=%s", req.pool)
+        return p.Ok(req.req_id)
+
+    def pools_result(self, req: p.Pools) -> p.Reply:
+        return p.PoolsResult(req.req_id, [pool.info() for pool in self.pools])
+
+    def invariants(self, req: p.CheckInvariants) -> p.Reply:
+        problems = [
+            f"{pool.name}: {x}" for pool in self.pools for x in pool.index.check_invariants()
+        ]
+        return p.InvariantsResult(req.req_id, problems)
+
+    def collect_events(self) -> None:
+        """Moves the pools' index events to `event_outbox` (the server publishes them)."""
+        for pool in self.pools:
+            events = pool.index.take_events()
+            if events:
+                for event in events:
+                    self._counters["evictions" if event.removed else "blocks_stored"] += len(
+                        event.keys
+                    )
+                self.event_outbox.append((pool.name, events))
+
+    def announce_cleared(self) -> None:
+        """Every pool's topic starts over (daemon shutdown)."""
+        for pool in self.pools:
+            self.event_outbox.append((pool.name, None))
