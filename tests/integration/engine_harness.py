@@ -8,49 +8,23 @@ commands from the test: open, fill, zero, digest, wait, poll, close.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-CTX = mp.get_context("spawn")
+from kvd_tools.harness import CacheSpec, RankProcess, cache_tensors, commands, make_cache
 
-
-@dataclass(frozen=True)
-class CacheSpec:
-    layout: str  # "contiguous" or "per_layer"
-    slot_bytes: int
-    num_device_blocks: int
-    num_layers: int = 4
-
-
-def make_caches(spec: CacheSpec) -> Any:
-    import torch
-
-    if spec.layout == "contiguous":
-        return torch.zeros(spec.num_device_blocks, spec.slot_bytes // 2, dtype=torch.bfloat16)
-    per_layer = spec.slot_bytes // spec.num_layers
-    assert per_layer * spec.num_layers == spec.slot_bytes
-    # [blocks, 2 (K and V), heads, elems] per layer, as an engine would hold it
-    return [
-        torch.zeros(spec.num_device_blocks, 2, 4, per_layer // 16, dtype=torch.float16)
-        for _ in range(spec.num_layers)
-    ]
-
-
-def _blocks(caches: Any) -> list[Any]:
-    return caches if isinstance(caches, list) else [caches]
+__all__ = ["CacheSpec", "Rank", "all_ranks"]  # CacheSpec: the tests build it
 
 
 def digest(caches: Any, block: int) -> str:
     h = hashlib.sha256()
-    for t in _blocks(caches):
+    for t in cache_tensors(caches):
         h.update(t[block].contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes())
     return h.hexdigest()
 
 
 def worker_main(
-    rank: int, world_size: int, endpoint: str, conn: Connection, env: dict[str, str]
+    rank: int, world_size: int, endpoint: str, env: dict[str, str], conn: Connection
 ) -> None:
     import os
 
@@ -61,14 +35,13 @@ def worker_main(
 
     worker: Worker | None = None
     caches: Any = None
-    while True:
-        cmd, args = conn.recv()
+    for cmd, args in commands(conn):
         try:
             if cmd == "open":
                 pool, layout_args, spec = args
                 if worker is not None:
                     worker.close()
-                caches = make_caches(spec)
+                caches = make_cache(spec)
                 worker = Worker(
                     rank,
                     world_size,
@@ -81,13 +54,13 @@ def worker_main(
                 conn.send(("ok", worker.connected))
             elif cmd == "fill":
                 gen = torch.Generator().manual_seed(args * 1000 + rank)
-                for t in _blocks(caches):
+                for t in cache_tensors(caches):
                     t.view(torch.int16).copy_(
                         torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16, generator=gen)
                     )
                 conn.send(("ok", None))
             elif cmd == "zero":
-                for t in _blocks(caches):
+                for t in cache_tensors(caches):
                     t.zero_()
                 conn.send(("ok", None))
             elif cmd == "digest":
@@ -126,21 +99,13 @@ class Rank:
         self, rank: int, world_size: int, endpoint: str, env: dict[str, str] | None = None
     ) -> None:
         self.rank = rank
-        self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(
-            target=worker_main,
-            args=(rank, world_size, endpoint, child, dict(env or {})),
-            daemon=True,
-        )
-        self.proc.start()
+        self.process = RankProcess(rank, worker_main, (world_size, endpoint, dict(env or {})))
 
     def send(self, cmd: str, args: Any = None) -> None:
-        self.conn.send((cmd, args))
+        self.process.send((cmd, args))
 
     def result(self, timeout: float = 60) -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"rank {self.rank} did not answer")
-        status, value = self.conn.recv()
+        status, value = self.process.receive(timeout)  # RankSilent is a TimeoutError
         if status != "ok":
             raise RuntimeError(f"rank {self.rank}: {value}")
         return value
@@ -150,9 +115,7 @@ class Rank:
         return self.result(timeout)
 
     def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=10)
+        self.process.stop(kill=True)
 
 
 def all_ranks(ranks: list[Rank], cmd: str, args: Any = None, timeout: float = 60) -> list[Any]:

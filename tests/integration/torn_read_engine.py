@@ -15,18 +15,19 @@ import torch
 
 from kvd_client import Layout, Scheduler, Worker
 from kvd_client.errors import MissingKey, NotReady
+from kvd_tools.harness import block_content, contiguous_cache
 
 SLOT_BYTES = 16 << 10
 ELEMS = SLOT_BYTES // 8
 
 
 def content(key: int) -> torch.Tensor:
-    return torch.arange(ELEMS, dtype=torch.int64) * 2654435761 + key
+    return block_content(key, ELEMS)
 
 
 def main(endpoint: str, engine: str, seconds: float, seed: int) -> None:
     layout = Layout("torn-model", "int64", 16, 1, False, SLOT_BYTES)
-    cache = torch.zeros(64, ELEMS, dtype=torch.int64)
+    cache = contiguous_cache(64, SLOT_BYTES, "int64")
     rng = random.Random(seed)
     stats = {
         "loads": 0,

@@ -22,15 +22,11 @@ kvd): every reused block here comes from kvd.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing as mp
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +50,7 @@ from kvd_tools.demo.step import (
     WorkerSpec,
 )
 from kvd_tools.demo.tp_worker import worker_main
+from kvd_tools.harness import RankExited, RankProcess, RankSilent, close_ranks
 
 log = logging.getLogger("kvd_tools.demo")
 STEP_TIMEOUT_S = 600.0  # an 8k-token prefill on a busy 2-core host takes seconds
@@ -114,8 +111,7 @@ class Engine:
         self.block_tokens = config.model.block_tokens
         self.allocator = BlockAllocator(config.num_device_blocks)
         self._results: dict[int, JobResult] = {}
-        self._conns: list[Connection] = []
-        self._procs: list[BaseProcess] = []
+        self._ranks: list[RankProcess] = []
         self._rendezvous = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
         # The scheduler attaches first: its Attach creates the pool with our capacity.
         self.kvd = Scheduler(
@@ -144,14 +140,8 @@ class Engine:
             endpoint=c.endpoint,
             init_method=f"file://{self._rendezvous / 'pg'}",
         )
-        ctx = mp.get_context("spawn")  # no fork: torch and zmq threads do not survive it
         for rank in range(c.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(rank, spec, child), daemon=True)
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+            self._ranks.append(RankProcess(rank, worker_main, (spec,)))
         for answer in self._gather(START_TIMEOUT_S):
             if not isinstance(answer, Ready):
                 raise EngineError(f"unexpected answer at start: {answer}")
@@ -161,18 +151,16 @@ class Engine:
     # -- the per-step channel --------------------------------------------------
 
     def _broadcast(self, command: Command) -> None:
-        for conn in self._conns:
-            conn.send(command)
+        for rank in self._ranks:
+            rank.send(command)
 
     def _gather(self, timeout_s: float = STEP_TIMEOUT_S) -> list[Answer]:
         answers: list[Answer] = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout_s):
-                raise EngineError(f"rank {rank} did not answer within {timeout_s:.0f} s")
+        for rank in self._ranks:
             try:
-                answer = conn.recv()
-            except EOFError:
-                raise EngineError(f"rank {rank} exited") from None
+                answer = rank.receive(timeout_s)
+            except (RankSilent, RankExited) as exc:
+                raise EngineError(str(exc)) from None
             if isinstance(answer, Failed):
                 raise EngineError(f"rank {answer.rank} failed:\n{answer.error}")
             answers.append(answer)
@@ -275,17 +263,8 @@ class Engine:
 
     def close(self) -> None:
         """Stops the workers (killing any that do not exit) and ends the kvd session."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError):  # already gone
-                conn.send(Shutdown())
-        for proc in self._procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
+        close_ranks(self._ranks, Shutdown())
+        self._ranks = []
         self.kvd.close()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 

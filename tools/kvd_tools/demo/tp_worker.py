@@ -29,6 +29,7 @@ from kvd_tools.demo.step import (
     Shutdown,
     WorkerSpec,
 )
+from kvd_tools.harness import commands
 
 JOB_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 20.0
@@ -118,16 +119,14 @@ def worker_main(rank: int, spec: WorkerSpec, conn: Connection) -> None:
         while not worker.kvd.connected and time.monotonic() < deadline:
             time.sleep(0.05)  # the first connect timed out; the keeper retries
         conn.send(Ready(rank, worker.kvd.connected))
-        while True:
-            match conn.recv():
+        for command in commands(conn):  # ends when the engine is gone
+            match command:
                 case Forward() as step:
                     conn.send(worker.forward(step))
                 case Release() as step:
                     conn.send(worker.release(step))
                 case Shutdown():
                     return
-    except EOFError:
-        return  # the engine is gone
     except Exception:
         # Report to the engine instead of dying silently; it tears the rest down.
         with contextlib.suppress(OSError):

@@ -23,16 +23,14 @@ a call raises something the library does not promise.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
-from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 from kvd_client import Scheduler
 from kvd_client.errors import ErrorCode, KvdError, MissingKey, NotReady
 from kvd_client.protocol import JobResult
+from kvd_tools.harness import RankExited, RankProcess, RankSilent, close_ranks
 from kvd_tools.soak.actors import SESSION_LOST, count_failure
 from kvd_tools.soak.rank import worker_main
 from kvd_tools.soak.tally import Tally
@@ -52,59 +50,46 @@ READY_S = 120.0  # a rank imports torch and attaches; slow on a loaded host
 
 
 class Rank:
-    """The engine's handle on one worker process."""
+    """The engine's handle on one worker process, kept across its restarts."""
 
     def __init__(self, rank: int, tally: Tally, slot: int, endpoint: str, wait_s: float) -> None:
         self.rank, self.tally, self.slot = rank, tally, slot
         self.endpoint, self.wait_s = endpoint, wait_s
-        self.proc: BaseProcess | None = None
-        self.conn: Connection | None = None
+        self.process: RankProcess | None = None
         self.starts = 0
         self.hung = False
 
     def start(self) -> None:
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        args = (self.rank, self.tally, self.slot, self.endpoint, theirs, os.getpid(), self.wait_s)
-        self.proc = ctx.Process(target=worker_main, args=args, daemon=True, name=f"rank{self.rank}")
-        self.proc.start()
+        args = (self.tally, self.slot, self.endpoint, os.getpid(), self.wait_s)
+        self.process = RankProcess(self.rank, worker_main, args, name=f"rank{self.rank}")
         self.starts += 1
-        theirs.close()  # so that the rank's death reads as EOF here
-        self.conn = ours
-        self.tally.set_worker_pid(self.rank, self.proc.pid or 0)
+        self.tally.set_worker_pid(self.rank, self.process.pid)
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.is_alive()
+        return self.process is not None and self.process.alive()
 
     def receive(self, seq: int, timeout: float) -> tuple[Any, ...] | None:
         """The reply to step `seq` (older replies are skipped); None if the rank died or hung.
 
         `hung` tells the two apart: the pipe stayed open and silent for `timeout`.
         """
-        assert self.conn is not None
+        assert self.process is not None
         self.hung = False
         try:
-            while self.conn.poll(timeout):
-                reply: tuple[Any, ...] = self.conn.recv()
+            while True:
+                reply: tuple[Any, ...] = self.process.receive(timeout)
                 if reply[1] == seq:
                     return reply
-        except (EOFError, OSError):
-            return None
-        self.hung = True
+        except RankSilent:
+            self.hung = True
+        except RankExited:
+            pass
         return None
 
     def stop(self, kill: bool) -> None:
-        if self.proc is None:
-            return
-        if kill and self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=10)
-        if self.conn is not None:
-            self.conn.close()
-        self.proc, self.conn = None, None
+        if self.process is not None:
+            self.process.stop(kill=kill)
+        self.process = None
 
 
 # -- the engine's scheduler ------------------------------------------------------------
@@ -144,11 +129,9 @@ class Engine:
 
     def close(self) -> None:
         self.seq += 1
+        close_ranks([r.process for r in self.ranks if r.process is not None], ("close", self.seq))
         for r in self.ranks:
-            if r.alive() and r.conn is not None:
-                r.conn.send(("close", self.seq))
-        for r in self.ranks:
-            r.stop(kill=False)
+            r.process = None
         self.sched.close()
 
     def step(self) -> None:
@@ -219,8 +202,8 @@ class Engine:
         sent = []
         for r in self.ranks:
             try:
-                assert r.conn is not None
-                r.conn.send((msg[0], self.seq, *msg[1:]))
+                assert r.process is not None
+                r.process.send((msg[0], self.seq, *msg[1:]))
                 sent.append(r)
             except (OSError, ValueError):
                 pass  # a killed rank's pipe: it is left out of `sent` and counted below

@@ -23,8 +23,17 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvd_tools.harness import block_content, commands, content_tag, contiguous_cache
 from kvd_tools.soak.tally import Tally
-from kvd_tools.soak.workload import ELEMS, ENGINE_ID, NUM_DEVICE_BLOCKS, POOL, WORLD_SIZE, layout
+from kvd_tools.soak.workload import (
+    ELEMS,
+    ENGINE_ID,
+    NUM_DEVICE_BLOCKS,
+    POOL,
+    SLOT_BYTES,
+    WORLD_SIZE,
+    layout,
+)
 
 # The "forward pass" before each job: it stays in flight a while, so kills land mid-job.
 FORWARD_S = 0.005
@@ -32,24 +41,20 @@ FORWARD_S = 0.005
 
 def content(key: int, rank: int) -> Any:
     """The bytes of `rank`'s shard of block `key`: never zero, distinct per key and rank."""
-    import torch
-
-    return torch.arange(ELEMS, dtype=torch.int64) * 1_000_003 + (key * WORLD_SIZE + rank) * 7919 + 1
+    return block_content(key * WORLD_SIZE + rank, ELEMS)
 
 
 # -- worker ranks ----------------------------------------------------------------
 
 
 def worker_main(
-    rank: int, tally: Tally, slot: int, endpoint: str, conn: Connection, parent: int, wait_s: float
+    rank: int, tally: Tally, slot: int, endpoint: str, parent: int, wait_s: float, conn: Connection
 ) -> None:
     """Process entry point of rank `rank`: serves the engine's steps until told to close."""
-    import torch
-
     from kvd_client import Worker
 
     tally.log_to_file(f"rank{rank}")
-    cache = torch.zeros(NUM_DEVICE_BLOCKS, ELEMS, dtype=torch.int64)
+    cache = contiguous_cache(NUM_DEVICE_BLOCKS, SLOT_BYTES, "int64")
 
     def open_worker() -> Worker:
         return Worker(
@@ -66,15 +71,7 @@ def worker_main(
     worker = open_worker()
     try:
         conn.send(("ready", -1, os.getpid()))
-        while True:
-            if not conn.poll(0.5):
-                if os.getppid() != parent:
-                    return  # the engine died; so does its rank
-                continue
-            try:
-                msg = conn.recv()
-            except EOFError:
-                return
+        for msg in commands(conn, parent):  # ends when the engine dies; so does its rank
             if msg[0] == "close":
                 return
             try:
@@ -114,11 +111,11 @@ def _serve(
             for dev, key in loads:
                 got = cache[dev]
                 if not torch.equal(got, content(key, rank)):
-                    first = int(got[0])
                     tally.violation(
                         slot,
                         f"rank {rank} job {job}: block of key {key} holds other bytes "
-                        f"(first element {first}: key*{WORLD_SIZE}+rank = {(first - 1) / 7919:g})",
+                        f"(first element {int(got[0])}: "
+                        f"key*{WORLD_SIZE}+rank = {content_tag(got):g})",
                     )
                 verified += 1
             tally.add(slot, "blocks_verified", verified)
