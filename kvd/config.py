@@ -59,6 +59,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     policy: PolicyName = "adaptive"
     pin_cap_fraction: Fraction = 0.5  # of a pool's blocks, per session
     max_sessions: Positive = 4096
+    # Job results a scheduler has not collected (`finished()`); the oldest go past it.
+    max_pending_results: Positive = 65_536
     prefault: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # KV events in vLLM's wire format. "" = ipc://<runtime_dir>/events.sock
@@ -68,6 +70,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     events_topic: str = "kv@{hostname}@{pool}"
     events_int_hashes: bool = True  # 8-byte keys published as the ints engines sent
     events_buffer: NonNegative = 10_000  # batches kept for replay
+    events_buffer_bytes: Positive = 64 << 20  # ... and at most this many bytes of them
     metrics_addr: str = "127.0.0.1:9464"  # Prometheus /metrics; "none" disables
     pools: list[PoolConfig] = []
 

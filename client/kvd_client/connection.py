@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -65,6 +66,9 @@ class Connection:
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._use_keeper = keeper
+        # Presented in every Hello of this connection: the daemon knows a
+        # reconnect of this process from another process on the same rank.
+        self.instance = uuid.uuid4().hex
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -103,6 +107,7 @@ class Connection:
                     self.rank,
                     self.world_size,
                     os.getpid(),
+                    self.instance,
                 )
                 assert isinstance(reply, p.Welcome)
                 self.welcome = reply

@@ -31,6 +31,17 @@ Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 DeviceBlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 40)]
 DeviceBlockIds = Annotated[list[DeviceBlockId], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+# Every number and string a client sends is bounded here, so no sum of them
+# the daemon keeps (counters, a job's bytes) can outgrow what msgpack encodes.
+ReqId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+JobId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]  # one rank's share of one job
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e6)]
+Detail = Annotated[str, msgspec.Meta(max_length=1000)]
+Token = Annotated[str, msgspec.Meta(max_length=256)]
+PoolName = Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_CHARS)]  # the rule: valid_pool_name
 Role = Literal["scheduler", "worker", "admin"]
 # A pool name names a segment (/kvd.<pool>.<generation>) and a metrics label.
 POOL_NAME_PATTERN = r"^[A-Za-z0-9_-]+$"
@@ -51,35 +62,38 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     model: Name
     dtype: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
-    block_tokens: int
-    world_size: int
+    block_tokens: Annotated[int, msgspec.Meta(lt=1 << 31)]
+    world_size: Annotated[int, msgspec.Meta(lt=1 << 31)]
     replicated: bool
-    slot_bytes: int
+    slot_bytes: Annotated[int, msgspec.Meta(le=1 << 40)]
     extra: Name = ""
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, array_like=True):
     # Every message is array-like: msgspec cannot mix the two encodings in one
     # union, and the hot ones must be. Tags are the class names.
-    req_id: int
+    req_id: ReqId
 
 
 # -- requests ----------------------------------------------------------------
 
 
 class Hello(_Msg, frozen=True):
-    protocol_version: int
+    protocol_version: Count
     role: Role
-    engine_id: str = ""
-    rank: int = 0
-    world_size: int = 1
-    pid: int = 0
+    engine_id: Name = ""
+    rank: Rank = 0
+    world_size: Count = 1
+    pid: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)] = 0
+    # Chosen once per client process (per `Connection`): a reconnect of the same
+    # worker process presents it again and inherits its jobs.
+    instance: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class Attach(_Msg, frozen=True):
-    pool: str
+    pool: PoolName
     layout: Layout
-    capacity_bytes: int | None = None
+    capacity_bytes: Annotated[int, msgspec.Meta(le=1 << 50)] | None = None
 
 
 class Lookup(_Msg, frozen=True):
@@ -122,12 +136,12 @@ class Finished(_Msg, frozen=True):
 
 
 class JobDone(_Msg, frozen=True):
-    job_id: int
-    rank: int
+    job_id: JobId
+    rank: Rank
     ok: bool
-    nbytes: int = 0
-    seconds: float = 0.0
-    detail: str = ""
+    nbytes: Bytes = 0
+    seconds: Seconds = 0.0
+    detail: Detail = ""
 
 
 class Heartbeat(_Msg, frozen=True):
@@ -146,16 +160,21 @@ class DropPool(_Msg, frozen=True):
     """Frees a pool. Only for the daemon's operators: `token` must be the one in
     `<runtime_dir>/admin.token`, which only the service user and root can read."""
 
-    pool: str
-    token: str = ""
+    pool: PoolName
+    token: Token = ""
 
 
 class Reset(_Msg, frozen=True):
-    pool: str
+    """Empties a pool. Needs the operator token, or a session attached to the pool."""
+
+    pool: PoolName
+    token: Token = ""
 
 
 class CheckInvariants(_Msg, frozen=True):
-    """Debug: runs the SPEC section 4 invariant check on every pool."""
+    """Debug: runs the SPEC section 4 invariant check on every pool (operator token)."""
+
+    token: Token = ""
 
 
 class Goodbye(_Msg, frozen=True):
@@ -302,6 +321,9 @@ class TransferJob(_Msg, frozen=True):
     device_block_ids: list[int]
     pool_block_ids: list[int]
     writer: bool = True
+    # The daemon's `time.monotonic()` past which the job has failed: CLOCK_MONOTONIC,
+    # one clock for every process on a host. A worker never starts it later. 0 = none.
+    deadline: float = 0.0
 
 
 Reply = (

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError, Unavailable
-from kvd_client.paths import default_endpoint
+from kvd_client.paths import default_endpoint, read_admin_token, runtime_dir_of
 from kvd_client.types import LoadStoreSpec, PrepareStoreOutput, StoreTicket
 
 log = logging.getLogger("kvd_client")
@@ -203,8 +203,13 @@ class Scheduler:
         assert isinstance(reply, p.StatsResult)
         return reply
 
-    def check_invariants(self) -> list[str]:
-        reply = self._call(p.CheckInvariants)
+    def check_invariants(self, token: str | None = None) -> list[str]:
+        """The daemon's invariant check of every pool; needs the operator token
+        (`token`, else read from the endpoint's runtime dir where this user may)."""
+        if token is None:
+            runtime = runtime_dir_of(self._conn.endpoint)
+            token = read_admin_token(runtime) if runtime is not None else ""
+        reply = self._call(p.CheckInvariants, token)
         assert isinstance(reply, p.InvariantsResult)
         return reply.problems
 

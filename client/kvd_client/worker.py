@@ -6,10 +6,16 @@
       backend copies device <-> slots of rank r
                    -- JobDone(job, r, ok) ---->  completes the job when all ranks acked
 
-`poll()` launches the jobs that arrived and acknowledges the ones that
-finished; `wait(job_ids)` blocks until those jobs have arrived and finished.
-The engine passes the job ids of a step to its workers over its own per-step
-channel, so a worker never guesses which jobs belong to which step.
+A worker runs only the jobs its engine names (SPEC section 5): the engine
+passes the job ids of a step to its workers over its own per-step channel,
+and `start(job_ids)` or `wait(job_ids)` names them. A store is named only
+once the forward pass that wrote its blocks is done, so a job the daemon
+pushed for a `Scheduler.store` whose reply never came (a timeout) is never
+run. `poll()` receives jobs, launches the named ones that arrived, and
+acknowledges the ones that finished. A job past its deadline (`TransferJob.
+deadline`, the daemon's monotonic clock, which every process on a host
+shares) is never started: it is acknowledged as failed without a copy, so
+the daemon can settle it at once.
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ class Worker:
         self._mapping: Mapping | None = None
         self._backend: TransferBackend | None = None
         self._submitted: set[int] = set()
+        self._named: OrderedDict[int, None] = OrderedDict()  # named, not yet arrived
+        self._arrived: dict[int, p.TransferJob] = {}  # arrived, not yet named
         self._done: OrderedDict[int, CopyResult] = OrderedDict()
         self.bytes_copied = 0
         self._conn = Connection(
@@ -140,8 +148,18 @@ class Worker:
 
     # -- jobs ------------------------------------------------------------------
 
+    def start(self, job_ids: Iterable[int]) -> None:
+        """Names jobs for this worker to run; each starts once it has arrived."""
+        for job_id in job_ids:
+            if job_id not in self._done and job_id not in self._submitted:
+                self._named[job_id] = None
+        while len(self._named) > _REMEMBER_DONE:  # ids that never came
+            self._named.popitem(last=False)
+        self._launch()
+
     def poll(self, timeout_ms: int = 0) -> list[int]:
-        """Launches jobs that arrived, acknowledges finished ones; returns their ids."""
+        """Receives jobs, launches the named ones that arrived, acknowledges finished
+        ones; returns the ids acknowledged."""
         self._conn.receive(timeout_ms)
         self._launch()
         return self._ack(self._backend.poll() if self._backend else [])
@@ -153,6 +171,7 @@ class Worker:
         the connection dropped) is reported as not ok.
         """
         wanted = set(job_ids)
+        self.start(wanted)
         deadline = time.monotonic() + timeout_s
         while True:
             self._launch()
@@ -173,20 +192,32 @@ class Worker:
         pushed = self._conn.pushed
         while pushed:
             job = pushed.popleft()
-            mapping = self._mapping
-            if (
-                self._backend is None
-                or mapping is None
-                or job.generation != mapping.attached.generation
-            ):
-                self._finish(
-                    [
-                        CopyResult(
-                            job.job_id, False, 0, 0.0, "job for another generation of the pool"
-                        )
-                    ]
-                )
-                continue
+            self._arrived[job.job_id] = job
+        now = time.monotonic()
+        for job_id, job in list(self._arrived.items()):
+            named = job_id in self._named
+            late = job.deadline > 0 and now >= job.deadline
+            if not (named or late):
+                continue  # not this engine's to run yet
+            del self._arrived[job_id]
+            self._named.pop(job_id, None)
+            if late:
+                self._refuse(job, "past its deadline; not started")
+            else:
+                self._submit(job)
+
+    def _refuse(self, job: p.TransferJob, why: str) -> None:
+        self._finish([CopyResult(job.job_id, False, 0, 0.0, why)])
+
+    def _submit(self, job: p.TransferJob) -> None:
+        mapping = self._mapping
+        if (
+            self._backend is None
+            or mapping is None
+            or job.generation != mapping.attached.generation
+        ):
+            self._refuse(job, "job for another generation of the pool")
+        else:
             self._submitted.add(job.job_id)
             self._backend.submit(
                 CopyJob(job.job_id, job.kind, job.device_block_ids, job.pool_block_ids, job.writer)
@@ -224,8 +255,10 @@ class Worker:
             self._mapping = None
 
     def close(self) -> None:
-        self._conn.close()
+        # Copies end first: the Goodbye tells the daemon that this rank no longer
+        # writes, so it may settle the jobs the rank still owed at once.
         self._close_backend()
+        self._conn.close()
 
     def __enter__(self) -> Worker:
         return self

@@ -84,13 +84,19 @@ class PoolAdmin:
             raise KvdError(f"pool {s.pool!r} was dropped; attach again", ErrorCode.NO_SUCH_POOL)
         return pool
 
-    def drop(self, req: p.DropPool) -> p.Reply:
-        if not hmac.compare_digest(req.token.encode(), self._admin_token):
+    def _operator(self, token: str) -> bool:
+        return hmac.compare_digest(token.encode(), self._admin_token)
+
+    def _need_operator(self, token: str, what: str) -> None:
+        if not self._operator(token):
             raise KvdError(
-                f"DropPool needs the operator token in {self._admin_token_file}, "
+                f"{what} needs the operator token in {self._admin_token_file}, "
                 "which the service user and root can read (`kvd pool drop` sends it)",
                 ErrorCode.WRONG_ROLE,
             )
+
+    def drop(self, req: p.DropPool) -> p.Reply:
+        self._need_operator(req.token, "DropPool")
         self.pools.get(req.pool)
         self._transfers.fail_all(f"pool {req.pool} dropped", pool=req.pool)
         self.collect_events()
@@ -98,23 +104,93 @@ class PoolAdmin:
         self.event_outbox.append((req.pool, None))
         return p.Ok(req.req_id)
 
-    def reset(self, req: p.Reset) -> p.Reply:
+    def reset(self, s: Session, req: p.Reset) -> p.Reply:
+        """Empties a pool, for the operator or a session attached to it.
+
+        The pool's jobs fail now, and from now on it serves no hit and takes no
+        new transfer; the blocks go once nothing copies into or out of its
+        slots any more (its jobs settled, its sessions' pins and stores
+        completed or rolled back), so no slot is reused under a copy.
+        """
         pool = self.pools.get(req.pool)
-        self._transfers.fail_all(f"pool {req.pool} reset", pool=req.pool)
-        self.collect_events()
-        pool.owned.reset()
-        self.event_outbox.append((req.pool, None))
-        log.info("event=pool_reset pool=%s", req.pool)
+        attached = s.pool == pool.name and s.generation == pool.generation
+        if not (attached or self._operator(req.token)):
+            raise KvdError(
+                f"Reset of pool {req.pool!r} needs the operator token in "
+                f"{self._admin_token_file}, or a session attached to that pool",
+                ErrorCode.WRONG_ROLE,
+            )
+        if not pool.resetting:
+            pool.resetting = True
+            log.info("event=pool_reset_started pool=%s", req.pool)
+        self._transfers.fail_pool(req.pool, f"pool {req.pool} reset")
+        self.finish_resets()
         return p.Ok(req.req_id)
+
+    @staticmethod
+    def while_resetting(pool: Pool, req: p.Request) -> p.Reply:
+        """A pool being reset: no hits, no new transfers (completions still drain)."""
+        match req:
+            case p.Lookup(req_id):
+                return p.LookupResult(req_id, 0)
+            case p.Touch(req_id):
+                return p.Ok(req_id)
+            case p.PrepareStore(req_id):
+                return p.PrepareStoreResult(req_id, False)
+            case p.Store(req_id):
+                return p.StoreTicket(req_id, False)
+        raise KvdError(f"pool {pool.name!r} is being reset", ErrorCode.MISSING)
+
+    def finish_resets(self) -> None:
+        """Completes every pending reset whose pool no longer has a copy in flight."""
+        for pool in self.pools:
+            if (
+                pool.resetting
+                and not self._transfers.num_unsettled(pool.name)
+                and not pool.owned.owners()
+            ):
+                self.collect_events()
+                pool.owned.reset()
+                pool.resetting = False
+                self.event_outbox.append((pool.name, None))
+                log.info("event=pool_reset pool=%s", pool.name)
 
     def pools_result(self, req: p.Pools) -> p.Reply:
         return p.PoolsResult(req.req_id, [pool.info() for pool in self.pools])
 
     def invariants(self, req: p.CheckInvariants) -> p.Reply:
+        # Operator only: it walks every block of every pool on the event loop.
+        self._need_operator(req.token, "CheckInvariants")
         problems = [
             f"{pool.name}: {x}" for pool in self.pools for x in pool.index.check_invariants()
         ]
         return p.InvariantsResult(req.req_id, problems)
+
+    def release(self, pool: Pool, owner: int, until: float, now: float) -> None:
+        """Rolls session `owner` back on `pool` now, or holds its slots until `until`."""
+        if until > now:
+            if pool.owned.hold(owner, until):
+                log.info("event=session_held session=%d pool=%s until_s=%.1f", owner, pool.name,
+                         until - now)  # fmt: skip
+            return
+        self._log_rollback(owner, *pool.owned.release(owner))
+
+    def release_due(self, now: float) -> None:
+        """Rolls back the held sessions whose time came; finishes resets that can."""
+        for pool in self.pools:
+            for owner, stores, refs in pool.owned.release_due(now):
+                self._log_rollback(owner, stores, refs)
+        self.finish_resets()
+
+    @staticmethod
+    def _log_rollback(owner: object, stores: int, refs: int) -> None:
+        if stores or refs:
+            log.info(
+                "event=session_rolled_back session=%s stores_failed=%d refs_dropped=%d",
+                owner,
+                stores,
+                refs,
+            )
 
     def collect_events(self) -> None:
         """Moves the pools' index events to `event_outbox` (the server publishes them)."""

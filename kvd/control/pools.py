@@ -7,6 +7,7 @@ engines attached to them until `kvd pool drop NAME` or daemon shutdown.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ class Pool:
     owned: OwnedIndex
     policy: str
     sessions: int = 0
+    resetting: bool = False  # a Reset waits for the pool's copies to end
 
     @property
     def index(self) -> BlockIndex:
@@ -145,6 +147,10 @@ class PoolRegistry:
                 break
             except FileExistsError:
                 generation += 1
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise TooLarge(f"pool {name!r}: {exc.strerror}") from None
         if region is None:
             raise TooLarge(f"cannot create a segment for pool {name!r}: names in use")
         pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))

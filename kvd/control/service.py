@@ -72,6 +72,7 @@ class Service:
             self.counters,
             self.outbox,
             self._encode,
+            config.max_pending_results,
         )
         self.admin = PoolAdmin(
             pools,
@@ -98,15 +99,13 @@ class Service:
             return
         try:
             reply = self._dispatch(identity, request, now)
+            if reply is not None:  # encoding is inside the boundary too
+                self.outbox.append((identity, self._encode(reply)))
         except KvdError as exc:
             self._error(identity, request.req_id, exc.code, exc.detail)
-            return
         except Exception as exc:  # the server loop must survive any handler bug
             log.exception("event=handler_failed request=%s", type(request).__name__)
             self._error(identity, request.req_id, ErrorCode.INTERNAL, repr(exc))
-            return
-        if reply is not None:
-            self.outbox.append((identity, self._encode(reply)))
 
     def tick(self, now: float) -> None:
         """Expires leases and jobs; call a few times per lease period."""
@@ -114,14 +113,11 @@ class Service:
             self.counters["lease_expirations"] += 1
             log.warning(
                 "event=lease_expired session=%d role=%s engine=%s rank=%d pid=%d",
-                session.session_id,
-                session.role,
-                session.engine_id,
-                session.rank,
-                session.pid,
-            )
-            self._end_session(session)
+                session.session_id, session.role, session.engine_id, session.rank, session.pid,
+            )  # fmt: skip
+            self._end_session(session, now, certain=False)
         self.transfers.expire(now)
+        self.admin.release_due(now)
 
     def settle(self) -> bool:
         """One step of each pool's idle work (the server calls it once no request
@@ -169,7 +165,9 @@ class Service:
             case p.Attach():
                 reply, replaced = self.admin.attach(session, req)
                 if replaced is not None:
-                    self._end_session(replaced)
+                    if replaced.instance and replaced.instance == session.instance:
+                        self.transfers.rebind(replaced, session)  # a reconnect: still copying
+                    self._end_session(replaced, now, certain=False)
                 return reply
             case p.Heartbeat():
                 if session.pool is not None:
@@ -180,7 +178,9 @@ class Service:
             case p.Finished():
                 return p.FinishedResult(req.req_id, self.transfers.take_results(session.session_id))
             case p.JobDone():
-                return self.transfers.job_done(session, req)
+                reply = self.transfers.job_done(session, req)
+                self.admin.finish_resets()
+                return reply
             case p.Stats():
                 return self._stats(req)
             case p.Pools():
@@ -188,16 +188,19 @@ class Service:
             case p.DropPool():
                 return self.admin.drop(req)
             case p.Reset():
-                return self.admin.reset(req)
+                return self.admin.reset(session, req)
             case p.CheckInvariants():
                 return self.admin.invariants(req)
             case p.Goodbye():
-                self._end_session(session)
+                # A client says goodbye once its copies have stopped.
+                self._end_session(session, now, certain=True)
                 return p.Ok(req.req_id)
         raise BadRequest(f"unexpected request {type(req).__name__}")
 
     def _pool_verb(self, s: Session, pool: Pool, req: p.Request, now: float) -> p.Reply:
         owned, sid = pool.owned, s.session_id
+        if pool.resetting and not isinstance(req, p.CompleteLoad | p.CompleteStore):
+            return self.admin.while_resetting(pool, req)
         match req:
             case p.Lookup(req_id, keys):
                 hits = owned.index.lookup(keys)
@@ -244,43 +247,40 @@ class Service:
         if len(req.engine_id) > p.MAX_NAME_CHARS:
             raise BadRequest(f"engine_id is longer than {p.MAX_NAME_CHARS} characters")
         old = self.sessions.by_identity(identity)
-        if old is not None:
-            self._end_session(old)
+        if old is not None:  # the client itself starts over, as after a Goodbye
+            self._end_session(old, now, certain=True)
         if len(self.sessions) >= self.config.max_sessions:
             raise KvdError(
                 f"{len(self.sessions)} sessions open; the limit is {self.config.max_sessions}",
                 ErrorCode.TOO_LARGE,
             )
         s = self.sessions.open(
-            identity, req.role, req.engine_id, req.rank, req.world_size, req.pid, now
+            identity, req.role, req.engine_id, req.rank, req.world_size, req.pid, now, req.instance
         )
         log.info(
             "event=session_opened session=%d role=%s engine=%s rank=%d pid=%d",
-            s.session_id,
-            s.role,
-            s.engine_id,
-            s.rank,
-            s.pid,
-        )
+            s.session_id, s.role, s.engine_id, s.rank, s.pid,
+        )  # fmt: skip
         return p.Welcome(req.req_id, s.session_id, self.config.lease_ms, __version__)
 
-    def _end_session(self, s: Session) -> None:
-        """Rolls a session back: its stores fail, its pins drop, its worker rank goes."""
+    def _end_session(self, s: Session, now: float, certain: bool) -> None:
+        """Rolls a session back: its stores fail, its pins drop, its worker rank goes.
+
+        `certain`: the client ended it (Goodbye, a new Hello), so nothing of its
+        copies still runs. Otherwise (its lease expired, another process took
+        its rank) its engine may still be copying: its slots, and those of the
+        jobs it owed, are held one more lease.
+        """
         self.sessions.close(s)
         self.transfers.forget_session(s.session_id)
         pool = self.pools.find(s.pool) if s.pool is not None else None
         if pool is not None and pool.generation == s.generation:
             pool.sessions -= 1
-            stores, refs = pool.owned.release(s.session_id)
-            if stores or refs:
-                log.info(
-                    "event=session_rolled_back session=%d stores_failed=%d refs_dropped=%d",
-                    s.session_id,
-                    stores,
-                    refs,
-                )
+            held_until = now if certain else now + self.sessions.lease_s
+            self.admin.release(pool, s.session_id, held_until, now)
         if s.role == "worker":
-            self.transfers.rank_gone(s.engine_id, s.rank)
+            self.transfers.session_gone(s.session_id, certain, now, self.sessions.lease_s)
+        self.admin.finish_resets()
 
     # -- replies ---------------------------------------------------------------
 

@@ -25,6 +25,7 @@ class Session:
     expires: float
     pool: str | None = None
     generation: int = 0
+    instance: str = ""  # the client process's own id (`Hello.instance`)
 
 
 class SessionTable:
@@ -50,10 +51,12 @@ class SessionTable:
         world_size: int,
         pid: int,
         now: float,
+        instance: str = "",
     ) -> Session:
         session = Session(
-            self._next_id, identity, role, engine_id, rank, world_size, pid, now + self.lease_s
-        )
+            self._next_id, identity, role, engine_id, rank, world_size, pid, now + self.lease_s,
+            instance=instance,
+        )  # fmt: skip
         self._next_id += 1
         self._by_identity[identity] = session
         self._by_id[session.session_id] = session

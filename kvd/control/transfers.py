@@ -9,7 +9,9 @@ what the state machine decides:
     settle  the pool's index completes the store (or releases the pins)
 
 Deadlines, a rank that goes away, and pool drop, reset or shutdown all end
-in the same two steps, so there is one path from a job to its slots.
+in the same two steps, so there is one path from a job to its slots. A job
+answers to the sessions it was pushed to (`kvd.core.jobs` says when it
+settles); a store or load whose push fails is rolled back in the index.
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ class Transfers:
         counters: Counter[str],
         outbox: Outbox,
         encode: Callable[[p.Reply], bytes],
+        max_results: int = 65_536,
     ) -> None:
         self.jobs = JobTable(timeout_s)
+        # Results a scheduler has not collected with `Finished`; past this the
+        # oldest are dropped and counted (`results_dropped`).
+        self._max_results = max_results
         self._pools = pools
         self._sessions = sessions
         self._counters = counters
@@ -129,7 +135,39 @@ class Transfers:
         writers: frozenset[int],
         now: float,
     ) -> None:
-        """Records the job and pushes one `TransferJob` to each rank of the engine."""
+        """Records the job and pushes one `TransferJob` to each rank of the engine.
+
+        If that fails, the slots prepared for the job are given back.
+        """
+        try:
+            self._create_and_push(
+                kind, s, pool, ranks, job_id, keys, slots, device_ids, writers, now
+            )
+        except Exception:
+            pool.owned.release(job_owner(job_id))
+            raise
+
+    def _create_and_push(
+        self,
+        kind: JobKind,
+        s: Session,
+        pool: Pool,
+        ranks: dict[int, Session],
+        job_id: int,
+        keys: list[bytes],
+        slots: list[int],
+        device_ids: list[int],
+        writers: frozenset[int],
+        now: float,
+    ) -> None:
+        deadline = now + self.jobs.timeout_s
+        frames = [
+            (worker.identity, self._encode(p.TransferJob(
+                0, job_id, kind, pool.name, pool.generation, device_ids, slots, rank in writers,
+                deadline,
+            )))
+            for rank, worker in ranks.items()
+        ]  # fmt: skip
         self.jobs.create(
             job_id=job_id,
             kind=kind,
@@ -140,15 +178,11 @@ class Transfers:
             keys=keys,
             slots=slots,
             device_block_ids=device_ids,
-            ranks=frozenset(ranks),
+            pushed_to={rank: w.session_id for rank, w in ranks.items()},
             writers=writers,
             now=now,
         )
-        for rank, worker in ranks.items():
-            msg = p.TransferJob(
-                0, job_id, kind, pool.name, pool.generation, device_ids, slots, rank in writers
-            )
-            self._outbox.append((worker.identity, self._encode(msg)))
+        self._outbox.extend(frames)
 
     # -- acknowledgements and ends ---------------------------------------------
 
@@ -160,7 +194,9 @@ class Transfers:
         job = self.jobs.get(req.job_id)
         if job is not None and job.engine_id != s.engine_id:
             raise KvdError(f"job {req.job_id} belongs to another engine", ErrorCode.NOT_OWNER)
-        outcome = self.jobs.ack(req.job_id, req.rank, req.ok, req.nbytes, req.seconds, req.detail)
+        outcome = self.jobs.ack(
+            req.job_id, s.session_id, req.rank, req.ok, req.nbytes, req.seconds, req.detail
+        )
         if outcome is not None:
             self._apply([outcome])
             if req.ok:
@@ -171,13 +207,35 @@ class Transfers:
         """Fails jobs past their deadline; settles those past their hard deadline."""
         self._apply(self.jobs.expire(now))
 
-    def rank_gone(self, engine_id: str, rank: int) -> None:
-        """A worker left: its engine's jobs still waiting for that rank fail."""
-        self._apply(self.jobs.rank_gone(engine_id, rank))
+    def session_gone(
+        self, session_id: int, stopped: bool, now: float = 0.0, grace_s: float = 0.0
+    ) -> None:
+        """A worker session ended: the jobs it owes fail (`JobTable.session_gone`)."""
+        self._apply(self.jobs.session_gone(session_id, stopped, now, grace_s))
+
+    def rebind(self, old: Session, new: Session) -> None:
+        """`new` is a reconnect of the worker process behind `old`: it inherits its jobs."""
+        moved = self.jobs.rebind(old.session_id, new.session_id)
+        if moved:
+            log.info(
+                "event=jobs_rebound engine=%s rank=%d old_session=%d session=%d jobs=%d",
+                new.engine_id,
+                new.rank,
+                old.session_id,
+                new.session_id,
+                moved,
+            )
 
     def fail_all(self, reason: str, pool: str | None = None) -> None:
-        """Pool drop or reset (`pool`), or shutdown (every pool): jobs fail and settle now."""
+        """Pool drop (`pool`) or shutdown (every pool): jobs fail and settle now."""
         self._apply(self.jobs.fail_all(reason, pool=pool))
+
+    def fail_pool(self, pool: str, reason: str) -> None:
+        """Pool reset: the pool's jobs fail now and settle when their ranks are done."""
+        self._apply(self.jobs.fail_pool(pool, reason))
+
+    def num_unsettled(self, pool: str) -> int:
+        return self.jobs.num_unsettled(pool)
 
     def take_results(self, session_id: int) -> list[p.JobResult]:
         return self._results.pop(session_id, [])
@@ -195,7 +253,12 @@ class Transfers:
 
     def _report(self, job: Job) -> None:
         if self._sessions.by_id(job.session_id) is not None:
-            self._results.setdefault(job.session_id, []).append(job_result(job))
+            results = self._results.setdefault(job.session_id, [])
+            if len(results) >= self._max_results:
+                keep = self._max_results // 2  # amortized: not one shift per result
+                self._counters["results_dropped"] += len(results) - keep
+                del results[: len(results) - keep]
+            results.append(job_result(job))
         if not job.ok:
             self._counters[f"jobs_failed.{job.kind}"] += 1
             log.warning(

@@ -6,9 +6,19 @@ engine. Two moments matter and they differ:
     reported  the scheduler learns ok/failed: every rank acknowledged ok, or
               the first rank failed, or the job passed its deadline;
     settled   no rank can touch the job's slots any more: every rank has
-              acknowledged or is gone (or a hard deadline passed). Only now
-              does the daemon complete the store (or release the load pins),
-              so a late writer can never scribble over a reused slot.
+              acknowledged, or said goodbye after its copies stopped, or the
+              hard deadline passed. Only now does the daemon complete the
+              store (or release the load pins), so a late writer can never
+              scribble over a reused slot.
+
+A job is pushed to one session per rank and only that session may answer for
+that rank (`pushed_to`). A session that ends without saying its copies
+stopped (its lease expired, another process took its rank) fails the job at
+once, but that rank counts as gone only a grace later (one lease, or the
+hard deadline if sooner): its process may still be copying. A worker never
+launches a job past its deadline (it travels in `TransferJob`). A new
+session of the same worker process (a reconnect) inherits the old one's
+jobs (`rebind`).
 
 Time is passed in by the caller (`now`, seconds); nothing here reads a clock.
 What the scheduler is told, and what the index is told, is the caller's
@@ -47,12 +57,13 @@ class Job:
     keys: list[Key]
     slots: list[int]
     device_block_ids: list[int]
-    ranks: frozenset[int]
+    pushed_to: dict[int, int]  # rank -> the session the job was sent to
     writers: frozenset[int]
     deadline: float
     hard_deadline: float
     acked: dict[int, bool] = field(default_factory=dict)
     gone: set[int] = field(default_factory=set)
+    gone_at: dict[int, float] = field(default_factory=dict)  # rank -> when it counts as gone
     nbytes: int = 0
     seconds: float = 0.0
     failure: str = ""
@@ -62,6 +73,10 @@ class Job:
     @property
     def owner(self) -> JobOwner:
         return job_owner(self.job_id)
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(self.pushed_to)
 
     @property
     def pending(self) -> frozenset[int]:
@@ -111,11 +126,11 @@ class JobTable:
         keys: list[Key],
         slots: list[int],
         device_block_ids: list[int],
-        ranks: frozenset[int],
+        pushed_to: dict[int, int],
         writers: frozenset[int],
         now: float,
     ) -> Job:
-        if not ranks:
+        if not pushed_to:
             raise BadRequest("a job needs at least one rank")
         job = Job(
             job_id=job_id,
@@ -127,7 +142,7 @@ class JobTable:
             keys=keys,
             slots=slots,
             device_block_ids=device_block_ids,
-            ranks=ranks,
+            pushed_to=dict(pushed_to),
             writers=writers,
             deadline=now + self.timeout_s,
             hard_deadline=now + 2 * self.timeout_s,
@@ -136,40 +151,83 @@ class JobTable:
         return job
 
     def ack(
-        self, job_id: int, rank: int, ok: bool, nbytes: int, seconds: float, detail: str = ""
+        self,
+        job_id: int,
+        session_id: int,
+        rank: int,
+        ok: bool,
+        nbytes: int,
+        seconds: float,
+        detail: str = "",
     ) -> Outcome | None:
-        """Records one rank's acknowledgement. `None` for a job already settled
-        and forgotten (a late ack after a hard deadline); misuse raises."""
+        """Records one rank's acknowledgement from `session_id`. `None` for a job
+        already settled and forgotten (a late ack after a hard deadline); an ack
+        from a session the job was not sent to is `NOT_OWNER`."""
         job = self._jobs.get(job_id)
         if job is None:
             return None
-        if rank not in job.ranks:
+        if rank not in job.pushed_to:
             raise KvdError(f"job {job_id} was not sent to rank {rank}", ErrorCode.NOT_OWNER)
+        if job.pushed_to[rank] != session_id:
+            raise KvdError(
+                f"job {job_id} was sent to another session of rank {rank}", ErrorCode.NOT_OWNER
+            )
         if rank in job.acked:
             raise BadRequest(f"rank {rank} already acknowledged job {job_id}")
         job.acked[rank] = ok
         job.gone.discard(rank)
+        job.gone_at.pop(rank, None)
         job.nbytes += max(0, nbytes)
         job.seconds = max(job.seconds, seconds)
         if not ok and not job.failure:
             job.failure = f"rank {rank} failed" + (f": {detail}" if detail else "")
         return self._advance(job)
 
-    def rank_gone(self, engine_id: str, rank: int) -> list[Outcome]:
-        """A worker left (lease expired, or it said goodbye): its unacked jobs fail."""
+    def session_gone(
+        self, session_id: int, stopped: bool, now: float = 0.0, grace_s: float = 0.0
+    ) -> list[Outcome]:
+        """A worker session ended: the jobs it still owes fail now. Its ranks count
+        as gone now if `stopped` (it said goodbye after its copies ended), else
+        `grace_s` from `now` (its process may still be copying)."""
         outcomes = []
         for job in list(self._jobs.values()):
-            if job.engine_id == engine_id and rank in job.pending:
-                job.gone.add(rank)
-                if not job.failure:
-                    job.failure = f"rank {rank} went away"
-                outcomes.append(self._advance(job))
+            owed = [r for r in job.pending if job.pushed_to[r] == session_id]
+            if not owed:
+                continue
+            if stopped:
+                job.gone.update(owed)
+            else:
+                for rank in owed:
+                    job.gone_at[rank] = min(now + grace_s, job.hard_deadline)
+            if not job.failure:
+                job.failure = f"rank {owed[0]} went away"
+            outcomes.append(self._advance(job))
         return outcomes
+
+    def rebind(self, old_session: int, new_session: int) -> int:
+        """A worker process reconnected: its new session answers for the old one's
+        jobs. Returns how many jobs moved."""
+        moved = 0
+        for job in self._jobs.values():
+            for rank, sid in job.pushed_to.items():
+                if sid == old_session:
+                    job.pushed_to[rank] = new_session
+                    job.gone_at.pop(rank, None)
+                    moved += 1
+        return moved
 
     def expire(self, now: float) -> list[Outcome]:
         """Fails jobs past their deadline; settles jobs past their hard deadline."""
         outcomes = []
         for job in list(self._jobs.values()):
+            due = [r for r, at in job.gone_at.items() if at <= now and r in job.pending]
+            if due:
+                job.gone.update(due)
+                for rank in due:
+                    del job.gone_at[rank]
+                outcomes.append(self._advance(job))
+                if job.settled:
+                    continue
             if now >= job.hard_deadline:
                 job.gone |= job.pending
                 if not job.failure:
@@ -181,7 +239,8 @@ class JobTable:
         return outcomes
 
     def fail_all(self, reason: str, pool: str | None = None) -> list[Outcome]:
-        """Shutdown, pool drop or reset: every job (of `pool`) fails and settles now."""
+        """Shutdown or pool drop: every job (of `pool`) fails and settles now; the
+        caller makes sure nothing reuses its slots (the segment goes away)."""
         outcomes = []
         for job in list(self._jobs.values()):
             if pool is not None and job.pool != pool:
@@ -190,6 +249,19 @@ class JobTable:
             job.failure = job.failure or reason
             outcomes.append(self._advance(job))
         return outcomes
+
+    def fail_pool(self, pool: str, reason: str) -> list[Outcome]:
+        """Pool reset: the pool's jobs fail now and settle as any job does (every
+        rank answered, or the hard deadline), so no slot is reused under a copy."""
+        outcomes = []
+        for job in list(self._jobs.values()):
+            if job.pool == pool and not job.failure:
+                job.failure = reason
+                outcomes.append(self._advance(job))
+        return outcomes
+
+    def num_unsettled(self, pool: str) -> int:
+        return sum(1 for job in self._jobs.values() if job.pool == pool)
 
     def _advance(self, job: Job) -> Outcome:
         report = False

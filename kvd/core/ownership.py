@@ -4,7 +4,10 @@
 sections 7 and 11: only the owner that prepared a store may complete it, load
 references are counted per owner, an account (a session) may hold at most
 `pin_cap` pinned blocks, and `release(owner)` rolls an owner back (its
-in-flight stores fail, its load references are dropped).
+in-flight stores fail, its load references are dropped). `hold(owner, until)`
+rolls it back later instead: its slots stay in flight or pinned, so nothing
+reuses them while a copy the owner started may still run, until
+`release_due(now)` passes `until`.
 
 Owners are opaque hashables: a session id for the index verbs a scheduler calls
 directly, a job token for the stores and loads of a transfer job (so a job can
@@ -31,6 +34,7 @@ class OwnedIndex:
         self._pins_of: dict[Owner, Counter[Key]] = {}
         self._account_of: dict[Owner, Hashable] = {}
         self._pinned_by_account: Counter[Hashable] = Counter()
+        self._held: dict[Owner, float] = {}  # owner -> when its rollback is due
 
     def prepare_load(self, owner: Owner, keys: Sequence[Key], account: Hashable) -> LoadStoreSpec:
         """Pins `keys` for `owner`, charged to `account`; `PinLimit` past the cap."""
@@ -85,6 +89,7 @@ class OwnedIndex:
 
         Returns (stores failed, references dropped).
         """
+        self._held.pop(owner, None)
         stores = self._stores_of.pop(owner, set())
         for key in stores:
             del self._store_owner[key]
@@ -99,6 +104,26 @@ class OwnedIndex:
             self._unpin(owner, keys)
         return len(stores), num_refs
 
+    def hold(self, owner: Owner, until: float) -> bool:
+        """Schedules `owner`'s rollback for `until`; False (nothing to do) if it holds nothing."""
+        if owner not in self._stores_of and owner not in self._pins_of:
+            return False
+        self._held[owner] = until
+        return True
+
+    def release_due(self, now: float) -> list[tuple[Owner, int, int]]:
+        """Rolls back every held owner whose time came: (owner, stores failed, refs dropped)."""
+        due = [owner for owner, until in self._held.items() if until <= now]
+        done = []
+        for owner in due:
+            del self._held[owner]
+            done.append((owner, *self.release(owner)))
+        return done
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
     def pinned_by(self, account: Hashable) -> int:
         return self._pinned_by_account[account]
 
@@ -112,6 +137,7 @@ class OwnedIndex:
         self._pins_of.clear()
         self._account_of.clear()
         self._pinned_by_account.clear()
+        self._held.clear()
 
     def _forget_store(self, key: Key) -> None:
         owner = self._store_owner.pop(key, None)

@@ -44,6 +44,7 @@ log = logging.getLogger("kvd.io.events")
 
 DEFAULT_TOPIC = "kv@{hostname}@{pool}"
 DEFAULT_BUFFER_SIZE = 10_000
+DEFAULT_BUFFER_BYTES = 64 << 20
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # A replay request is a few short frames; anything larger is not one.
 _MAX_REQUEST_BYTES = 4096
@@ -142,6 +143,7 @@ class EventPublisher:
         replay_endpoint: str = "",
         *,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         hostname: str | None = None,
         topic_format: str = DEFAULT_TOPIC,
         gid: int | None = None,
@@ -191,6 +193,10 @@ class EventPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(
             maxlen=buffer_size if self._replay is not None else 0
         )
+        # The ring is bounded in bytes too: one batch can carry 65,536 keys.
+        self.buffer_bytes = buffer_bytes
+        self._ring_bytes = 0
+        self.batches_dropped = 0  # batches that left the ring for its byte bound
 
     def _bind(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
         path = endpoint.removeprefix("ipc://") if endpoint.startswith("ipc://") else None
@@ -266,10 +272,27 @@ class EventPublisher:
                 self._pub.send_multipart(
                     (self.topic(pool), seq.to_bytes(8, "big"), payload), zmq.NOBLOCK
                 )
-            self._ring.append((seq, payload))
+            self._keep(seq, payload)
             self.events_sent += len(events)
         self.batches_sent += len(pending)
         return len(pending)
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        ring = self._ring
+        if ring.maxlen == 0:
+            return
+        if len(ring) == ring.maxlen:
+            self._ring_bytes -= len(ring[0][1])  # the deque drops it on append
+        ring.append((seq, payload))
+        self._ring_bytes += len(payload)
+        while self._ring_bytes > self.buffer_bytes and len(ring) > 1:
+            self._ring_bytes -= len(ring.popleft()[1])
+            self.batches_dropped += 1
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of the batches kept for replay."""
+        return self._ring_bytes
 
     # -- replay ----------------------------------------------------------------
 

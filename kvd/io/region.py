@@ -3,6 +3,14 @@
 The daemon creates, sizes, prefaults and finally unlinks each pool's segment;
 it never reads or writes block data. Workers map the same segment by name.
 
+Prefaulting allocates every page up front so that page allocation never lands
+in a transfer. It runs on a thread of its own (`posix_fallocate`, which
+releases the GIL and keeps whatever the pages already hold), so the event
+loop keeps answering while a large pool is allocated (0.3 s per GiB here)
+and engines may attach and copy meanwhile. Whether the segment fits in the
+shared-memory filesystem is checked before, on the caller's thread, so a
+pool that cannot be backed is refused at once rather than failing later.
+
 Cleanup order: `close()` unmaps, then unlinks the name (engines that still map
 it keep their pages until they unmap), then drops the manifest entry. The
 manifest (`<runtime_dir>/segments`) lists every segment this runtime dir
@@ -12,19 +20,18 @@ run and never another daemon's.
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
-import mmap
 import os
+import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
 import posix_ipc
 
 log = logging.getLogger("kvd.io.region")
-_CHUNK = 64 << 20
-# Python < 3.13 lacks the constant; Linux >= 5.14 has it (EINVAL before).
-MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class Manifest:
@@ -84,6 +91,7 @@ class SharedRegion:
         self.name = name
         self.size = size
         self._manifest = manifest
+        self._prefaulter: threading.Thread | None = None
         mode = 0o660 if gid is not None else 0o600
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
@@ -96,7 +104,14 @@ class SharedRegion:
             if gid is not None:
                 os.fchown(shm.fd, -1, gid)
             if prefault:
-                self._prefault(shm.fd, size)
+                self._check_room(shm.fd, size)
+                self._prefaulter = threading.Thread(
+                    target=self._prefault,
+                    args=(os.dup(shm.fd), size),
+                    name=f"kvd-prefault{name.replace('/', '-')}",
+                    daemon=True,
+                )
+                self._prefaulter.start()
         except BaseException:
             shm.close_fd()
             self._unlink()
@@ -104,18 +119,36 @@ class SharedRegion:
         shm.close_fd()
 
     @staticmethod
-    def _prefault(fd: int, size: int) -> None:
-        # Allocate every page now so page faults never land in a transfer.
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            try:
-                mm.madvise(MADV_POPULATE_WRITE)
-                return
-            except OSError:
-                pass  # kernel older than 5.14: touch the pages instead
-            zeros = bytes(min(_CHUNK, size))
-            for off in range(0, size, _CHUNK):
-                n = min(_CHUNK, size - off)
-                mm[off : off + n] = zeros[:n]
+    def _check_room(fd: int, size: int) -> None:
+        st = os.fstatvfs(fd)
+        room = st.f_bavail * st.f_frsize
+        if room < size:
+            raise OSError(
+                errno.ENOSPC,
+                f"the shared-memory filesystem has {room} bytes free; the segment needs {size}",
+            )
+
+    def _prefault(self, fd: int, size: int) -> None:
+        """Runs on the prefault thread: allocates every page of the segment."""
+        start = time.monotonic()
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:  # the pages are then allocated on first touch
+            log.warning("event=prefault_failed shm=%s reason=%s", self.name, exc)
+        else:
+            log.info(
+                "event=prefaulted shm=%s bytes=%d seconds=%.3f",
+                self.name,
+                size,
+                time.monotonic() - start,
+            )
+        finally:
+            os.close(fd)
+
+    @property
+    def prefaulting(self) -> bool:
+        """Whether the prefault thread is still allocating pages."""
+        return self._prefaulter is not None and self._prefaulter.is_alive()
 
     def _unlink(self) -> None:
         try:

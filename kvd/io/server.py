@@ -18,6 +18,7 @@ import secrets
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -62,6 +63,7 @@ class Server:
         self.metrics = Metrics()
         self._last_request = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self.exit_code = 0  # 1 once a loop task or callback died
 
     # -- startup ---------------------------------------------------------------
 
@@ -96,6 +98,7 @@ class Server:
             cfg.events_endpoint,
             cfg.replay_endpoint,
             buffer_size=cfg.events_buffer,
+            buffer_bytes=cfg.events_buffer_bytes,
             topic_format=cfg.events_topic,
             gid=gid,
             int_block_hashes=cfg.events_int_hashes,
@@ -188,6 +191,7 @@ class Server:
                     publisher.add(pool, events)
             service.event_outbox.clear()
             publisher.flush(time.time())
+            service.counters["events_replay_dropped"] = publisher.batches_dropped
 
     def _replay(self) -> None:
         assert self.publisher is not None
@@ -219,8 +223,7 @@ class Server:
 
     async def _watchdog(self) -> None:
         # Pinged from the loop itself, so a wedged loop stops the pings.
-        if self.notifier.watchdog_s is None:
-            return
+        assert self.notifier.watchdog_s is not None
         while True:
             self.notifier.watchdog()
             await asyncio.sleep(self.notifier.watchdog_s)
@@ -236,8 +239,13 @@ class Server:
         if replay_fd is not None:
             loop.add_reader(replay_fd, self._replay)
             self._replay()
-        ticker = loop.create_task(self._ticker())
-        watchdog = loop.create_task(self._watchdog())
+        ticker = loop.create_task(self._ticker(), name="ticker")
+        tasks = [ticker]
+        if self.notifier.watchdog_s is not None:
+            tasks.append(loop.create_task(self._watchdog(), name="watchdog"))
+        for task in tasks:
+            task.add_done_callback(self._task_ended)
+        loop.set_exception_handler(self._loop_error)
         self._drain()
         self.notifier.ready(f"listening on {self.config.control_socket}")
         installed = []
@@ -249,16 +257,38 @@ class Server:
             log.info("event=shutdown_started")
         finally:
             self.notifier.stopping()
-            watchdog.cancel()
+            for task in tasks[1:]:
+                task.cancel()
             for sig in installed:
                 loop.remove_signal_handler(sig)
             loop.remove_reader(fd)
             if replay_fd is not None:
                 loop.remove_reader(replay_fd)
             ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await ticker  # an exception it died of was logged by _task_ended
             self.shutdown()
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """A loop task must run until shutdown: one that ends stops the daemon with
+        exit code 1 (systemd restarts it) rather than leave leases unexpired."""
+        if task.cancelled() or self.should_exit.is_set():
+            return
+        exc = task.exception()
+        log.critical(
+            "event=loop_task_died task=%s reason=%r", task.get_name(), exc,
+            exc_info=exc,
+        )  # fmt: skip
+        self.exit_code = 1
+        self.should_exit.set()
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """An exception escaped a loop callback (a socket reader): stop, exit code 1."""
+        exc = context.get("exception")
+        log.critical("event=loop_callback_failed reason=%r", exc or context.get("message"),
+                     exc_info=exc)  # fmt: skip
+        self.exit_code = 1
+        self.should_exit.set()
 
     # -- shutdown --------------------------------------------------------------
 
@@ -298,4 +328,4 @@ def run(config: Config) -> int:
         asyncio.run(server.serve())
     else:
         uvloop.run(server.serve())
-    return 0
+    return server.exit_code

@@ -112,7 +112,9 @@ with Scheduler("shared", Layout(*{MHA_ARGS!r}), engine_id="writer", endpoint={da
         s.complete_load(keys(4))
 
 
-def test_killed_client_is_rolled_back_within_two_leases(daemon: DaemonProcess, spawn: list) -> None:
+def test_killed_client_is_rolled_back_within_three_leases(
+    daemon: DaemonProcess, spawn: list
+) -> None:
     with Scheduler("roll", MHA, engine_id="setup", endpoint=daemon.endpoint) as s:
         s.prepare_store(keys(4))
         s.complete_store(keys(4))
@@ -134,14 +136,15 @@ time.sleep(600)
     assert (info.blocks_pinned, info.blocks_in_flight) == (4, 6)
     child.kill()
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 2 * daemon.lease_s + 0.5:
+    while time.monotonic() - t0 < 3 * daemon.lease_s + 0.5:
         info = pool_info(daemon, "roll")
         if info.blocks_pinned == 0 and info.blocks_in_flight == 0:
             break
         time.sleep(0.05)
     elapsed = time.monotonic() - t0
     assert (info.blocks_pinned, info.blocks_in_flight) == (0, 0)
-    assert elapsed <= 2 * daemon.lease_s
+    # One lease to expire, one more in which its engine might still be copying.
+    assert daemon.lease_s <= elapsed <= 3 * daemon.lease_s
     assert info.blocks_ready == 4 and info.blocks_free == info.num_blocks - 4
     with Scheduler("roll", MHA, engine_id="after", endpoint=daemon.endpoint) as s:
         assert s.lookup(keys(4)) == 4
@@ -295,7 +298,7 @@ def test_adaptive_replays_lookups_while_the_daemon_is_idle(daemon: DaemonProcess
         assert idle_steps() - before == 5
         conn = admin(daemon)
         try:
-            reply = conn.call(p.CheckInvariants)
+            reply = conn.call(p.CheckInvariants, daemon.admin_token)
             assert isinstance(reply, p.InvariantsResult) and reply.problems == []
         finally:
             conn.close()

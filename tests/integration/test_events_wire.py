@@ -216,7 +216,7 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
         assert out is not None and out.evicted_keys == keys(3)
         s.complete_store(keys(3, 100))
         collect(sub, seen, lambda m: len(events_of(m, "p")) >= 3)
-        admin(w, p.Reset, "p")
+        admin(w, p.Reset, "p", w.daemon.admin_token)
         collect(sub, seen, lambda m: events_of(m, "p").count(AllBlocksCleared()) == 2)
     admin(w, p.DropPool, "p", w.daemon.admin_token)
     collect(sub, seen, lambda m: events_of(m, "p").count(AllBlocksCleared()) == 3)

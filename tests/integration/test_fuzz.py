@@ -140,7 +140,7 @@ def test_what_the_fuzzer_found() -> None:
         assert ask(a, p.Goodbye(7)) == p.Ok(7)
         pools = ask(admin, p.Pools(4))
         assert isinstance(pools, p.PoolsResult) and [pi.sessions for pi in pools.pools] == [0]
-        inv = ask(admin, p.CheckInvariants(5))
+        inv = ask(admin, p.CheckInvariants(5, daemon.admin_token))
         assert isinstance(inv, p.InvariantsResult) and inv.problems == []
     finally:
         for sock in socks:

@@ -95,7 +95,7 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
 
         reply = ask(p.encoder.encode(p.Lookup(99, [b"abc"])))
         assert isinstance(reply, p.LookupResult) and reply.req_id == 99 and reply.hits == 0
-        inv = ask(p.encoder.encode(p.CheckInvariants(100)))
+        inv = ask(p.encoder.encode(p.CheckInvariants(100, daemon.admin_token)))
         assert isinstance(inv, p.InvariantsResult) and inv.problems == []
         assert daemon.proc is not None and daemon.proc.poll() is None
     finally:

@@ -50,7 +50,7 @@ def test_no_torn_reads_across_engines(
         stats = conn.call(p.Stats)
         assert isinstance(stats, p.StatsResult)
         assert stats.counters.get("evictions", 0) > 0  # the pool did churn
-        inv = conn.call(p.CheckInvariants)
+        inv = conn.call(p.CheckInvariants, daemon.admin_token)
         assert isinstance(inv, p.InvariantsResult) and inv.problems == []
     finally:
         conn.close()

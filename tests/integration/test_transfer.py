@@ -194,8 +194,16 @@ def test_worker_killed_mid_job(big_daemon: DaemonProcess, kind: str) -> None:
                 time.sleep(0.02)
             assert result is not None and not result.ok
             assert "rank 1" in result.detail
+            # Rank 1's process might only be stalled: its slots are held one more
+            # lease past its expiry, then given back.
+            deadline = time.monotonic() + 2 * big_daemon.lease_s + 2
             info = _pool_info(s, pool)
-            assert (info.blocks_pinned, info.blocks_in_flight) == (0, 0)
+            while (info.blocks_pinned, info.blocks_in_flight) != (0, 0):
+                assert time.monotonic() < deadline, info
+                if kind == "store":
+                    assert s.lookup(keys) in (None, 0)
+                time.sleep(0.02)
+                info = _pool_info(s, pool)
             if kind == "store":
                 assert s.lookup(keys) == 0
                 assert info.blocks_free == info.num_blocks

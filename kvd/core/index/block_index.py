@@ -10,15 +10,15 @@ key -> slot dict:
     _slot_of   {key -> slot}                                 dict
     _key_at    [slot] -> key | None                          list
     _ready     [slot] -> 0 (being stored) | 1 (loadable)     bytearray
-    _refs      [slot] -> number of load references (pins)    array('i')
+    _refs      [slot] -> number of load references (pins)    array('q')
     free slots = [_next_fresh, num_blocks) fresh ids, then _free (array('i'),
                  a LIFO stack of freed ids)
 
 At 1,000,000 blocks a block costs (tracemalloc, `kvd bench index`): its key
 object 41 bytes, its `_slot_of` entry 42 right after a fill and 84 once
 churn has made the dict regrow (CPython sizes it to 3x its live entries,
-rounded up to a power of two), its slot int 28, `_key_at` 8, `_ready` and
-`_refs` 5; plus the policy: 9 for LRU, 68 for ARC (resident lists,
+rounded up to a power of two), its slot int 28, `_key_at` 8, `_ready` 1 and
+`_refs` 8; plus the policy: 9 for LRU, 68 for ARC (resident lists,
 fingerprints, room for 2c ghosts).
 
 Every method validates its whole batch before it mutates anything, so misuse
@@ -49,7 +49,8 @@ class BlockIndex:
         self._slot_of: dict[Key, int] = {}
         self._key_at: list[Key | None] = [None] * num_blocks
         self._ready = bytearray(num_blocks)
-        self._refs = array("i", bytes(4 * num_blocks))
+        # 64-bit: no number of pins on one block can overflow it.
+        self._refs = array("q", bytes(8 * num_blocks))
         self._free = array("i")
         self._next_fresh = 0
         self._num_not_ready = 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
+from kvd_client.paths import read_admin_token, runtime_dir_of
 
 PROBE_TIMEOUT_MS = 5000  # the daemon must answer an admin within this, under full load
 
@@ -53,7 +54,8 @@ def invariant_problems(endpoint: str) -> list[str]:
     """The SPEC section 4 invariants that fail on any pool; `KvdError` if no answer."""
     conn = _admin(endpoint)
     try:
-        reply = conn.call(p.CheckInvariants)
+        runtime = runtime_dir_of(endpoint)  # the operator token: the soak owns its daemon
+        reply = conn.call(p.CheckInvariants, read_admin_token(runtime) if runtime else "")
         assert isinstance(reply, p.InvariantsResult)
         return reply.problems
     finally:
