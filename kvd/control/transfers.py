@@ -140,48 +140,31 @@ class Transfers:
         If that fails, the slots prepared for the job are given back.
         """
         try:
-            self._create_and_push(
-                kind, s, pool, ranks, job_id, keys, slots, device_ids, writers, now
+            deadline = now + self.jobs.timeout_s
+            frames = [
+                (worker.identity, self._encode(p.TransferJob(
+                    0, job_id, kind, pool.name, pool.generation, device_ids, slots,
+                    rank in writers, deadline,
+                )))
+                for rank, worker in ranks.items()
+            ]  # fmt: skip
+            self.jobs.create(
+                job_id=job_id,
+                kind=kind,
+                pool=pool.name,
+                generation=pool.generation,
+                session_id=s.session_id,
+                engine_id=s.engine_id,
+                keys=keys,
+                slots=slots,
+                device_block_ids=device_ids,
+                pushed_to={rank: w.session_id for rank, w in ranks.items()},
+                writers=writers,
+                now=now,
             )
         except Exception:
             pool.owned.release(job_owner(job_id))
             raise
-
-    def _create_and_push(
-        self,
-        kind: JobKind,
-        s: Session,
-        pool: Pool,
-        ranks: dict[int, Session],
-        job_id: int,
-        keys: list[bytes],
-        slots: list[int],
-        device_ids: list[int],
-        writers: frozenset[int],
-        now: float,
-    ) -> None:
-        deadline = now + self.jobs.timeout_s
-        frames = [
-            (worker.identity, self._encode(p.TransferJob(
-                0, job_id, kind, pool.name, pool.generation, device_ids, slots, rank in writers,
-                deadline,
-            )))
-            for rank, worker in ranks.items()
-        ]  # fmt: skip
-        self.jobs.create(
-            job_id=job_id,
-            kind=kind,
-            pool=pool.name,
-            generation=pool.generation,
-            session_id=s.session_id,
-            engine_id=s.engine_id,
-            keys=keys,
-            slots=slots,
-            device_block_ids=device_ids,
-            pushed_to={rank: w.session_id for rank, w in ranks.items()},
-            writers=writers,
-            now=now,
-        )
         self._outbox.extend(frames)
 
     # -- acknowledgements and ends ---------------------------------------------
