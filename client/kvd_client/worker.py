@@ -192,7 +192,8 @@ class Worker:
         pushed = self._conn.pushed
         while pushed:
             job = pushed.popleft()
-            self._arrived[job.job_id] = job
+            if job.job_id not in self._done and job.job_id not in self._submitted:
+                self._arrived[job.job_id] = job  # a job pushed again after a reconnect: once
         now = time.monotonic()
         for job_id, job in list(self._arrived.items()):
             named = job_id in self._named

@@ -197,8 +197,16 @@ class Transfers:
         self._apply(self.jobs.session_gone(session_id, stopped, now, grace_s))
 
     def rebind(self, old: Session, new: Session) -> None:
-        """`new` is a reconnect of the worker process behind `old`: it inherits its jobs."""
+        """`new` is a reconnect of the worker process behind `old`: it inherits its jobs,
+        and gets each one pushed again (a push to the old socket may never have
+        arrived; the worker ignores a job it already has)."""
         moved = self.jobs.rebind(old.session_id, new.session_id)
+        for job, rank in moved:
+            msg = p.TransferJob(
+                0, job.job_id, job.kind, job.pool, job.generation, job.device_block_ids,
+                job.slots, rank in job.writers, job.deadline,
+            )  # fmt: skip
+            self._outbox.append((new.identity, self._encode(msg)))
         if moved:
             log.info(
                 "event=jobs_rebound engine=%s rank=%d old_session=%d session=%d jobs=%d",
@@ -206,7 +214,7 @@ class Transfers:
                 new.rank,
                 old.session_id,
                 new.session_id,
-                moved,
+                len(moved),
             )
 
     def fail_all(self, reason: str, pool: str | None = None) -> None:

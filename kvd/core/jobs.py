@@ -204,16 +204,17 @@ class JobTable:
             outcomes.append(self._advance(job))
         return outcomes
 
-    def rebind(self, old_session: int, new_session: int) -> int:
+    def rebind(self, old_session: int, new_session: int) -> list[tuple[Job, int]]:
         """A worker process reconnected: its new session answers for the old one's
-        jobs. Returns how many jobs moved."""
-        moved = 0
+        jobs. Returns the (job, rank) pairs still waiting for that rank."""
+        moved = []
         for job in self._jobs.values():
             for rank, sid in job.pushed_to.items():
                 if sid == old_session:
                     job.pushed_to[rank] = new_session
                     job.gone_at.pop(rank, None)
-                    moved += 1
+                    if rank in job.pending:
+                        moved.append((job, rank))
         return moved
 
     def expire(self, now: float) -> list[Outcome]:

@@ -130,7 +130,7 @@ def test_the_grace_of_a_gone_session_ends_at_the_hard_deadline() -> None:
 def test_a_reconnect_inherits_the_jobs_of_its_process() -> None:
     t = JobTable(timeout_s=1.0)
     job = make(t)
-    assert t.rebind(session(1), 555) == 1
+    assert t.rebind(session(1), 555) == [(job, 1)]
     with pytest.raises(KvdError):
         t.ack(job.job_id, session(1), 1, True, 0, 0.0)  # the old session no longer answers
     t.ack(job.job_id, session(0), 0, True, 0, 0.0)
