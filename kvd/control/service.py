@@ -213,6 +213,7 @@ class Service:
                 return p.Ok(req_id)
             case p.PrepareLoad(req_id, keys):
                 spec = owned.prepare_load(sid, keys, account=sid)
+                self.counters["loaded_blocks"] += len(keys)
                 return p.SlotsResult(req_id, spec.slots)
             case p.CompleteLoad(req_id, keys):
                 owned.complete_load(sid, keys)

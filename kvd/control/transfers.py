@@ -105,6 +105,7 @@ class Transfers:
             frozenset(ranks), now,
         )  # fmt: skip
         self._counters["loads"] += 1
+        self._counters["loaded_blocks"] += len(keys)
         return p.LoadTicket(req_id, job_id)
 
     def _ranks(self, s: Session, pool: Pool) -> dict[int, Session]:

@@ -1,0 +1,86 @@
+"""Runs in vLLM's processes: `KvdOffloadingSpec`, the entry point vLLM loads (SPEC section 12).
+
+vLLM builds one spec in its scheduler process (`get_manager`) and one in each
+TP worker (`get_worker`). Extra-config keys: `kvd_endpoint` (default
+`KVD_ENDPOINT`, then the default runtime dir), `kvd_pool` (default derived,
+`kvd_client.vllm.pool`), `kvd_capacity_bytes` (the pool's size when this
+engine creates it). A pool whose layout does not match, or a KV cache kvd
+cannot hold, is one log line and offloading off for this engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from kvd_client.errors import KvdError
+from kvd_client.scheduler import Scheduler
+from kvd_client.settings import ClientSettings
+from kvd_client.vllm.manager import KvdOffloadingManager
+from kvd_client.vllm.pool import choose_pool
+from kvd_client.vllm.worker import KvdOffloadingWorker
+
+log = logging.getLogger("kvd_client.vllm")
+LOOKUP_TIMEOUT_MS = 500  # the scheduler waits at most this on a stalled daemon
+
+
+class KvdOffloadingSpec(OffloadingSpec):
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.replicated_layout = bool(config.replicated_layout)
+        self.choice = choose_pool(config)
+        self.endpoint = self.choice.endpoint or ClientSettings.from_env().endpoint
+        self._manager: KvdOffloadingManager | None = None
+        self._worker: OffloadingWorker | None = None
+
+    def _refusal(self) -> str | None:
+        if len(self.config.groups) != 1:
+            return f"{len(self.config.groups)} KV cache groups (kvd holds one)"
+        if self.config.canonical_layout:
+            return "the canonical host layout (kvd stores each worker's pages)"
+        if self.blocks_per_chunk != 1:
+            return f"blocks_per_chunk {self.blocks_per_chunk} (kvd stores one block a chunk)"
+        return None
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            scheduler = None
+            refusal = self._refusal()
+            if refusal is not None:
+                log.warning("kvd offloading off for this engine: %s", refusal)
+            else:
+                try:
+                    scheduler = Scheduler(
+                        self.choice.name,
+                        self.choice.layout,
+                        engine_id=self.config.engine_id,
+                        endpoint=self.endpoint,
+                        capacity_bytes=self.choice.capacity_bytes,
+                        timeout_ms=LOOKUP_TIMEOUT_MS,
+                    )
+                except KvdError as exc:
+                    log.warning(
+                        "kvd offloading off for this engine: pool %r: %s", self.choice.name, exc
+                    )
+            self._manager = KvdOffloadingManager(scheduler)
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KvdOffloadingWorker(
+                kv_caches,
+                endpoint=self.endpoint,
+                pool=self.choice.name,
+                layout=self.choice.layout,
+                engine_id=self.config.engine_id,
+                rank=self.config.parallel.rank,
+                blocks_per_chunk=self.blocks_per_chunk,
+            )
+        return self._worker

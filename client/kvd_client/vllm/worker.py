@@ -1,0 +1,148 @@
+"""Runs in a vLLM TP worker: vLLM's `OffloadingWorker`, copying between its KV tensors and kvd.
+
+vLLM hands the worker its canonical KV caches: per tensor, a `(num_blocks,
+page_bytes)` int8 view. The rank's slot of a kvd block holds one offload
+chunk's pages of every tensor, tensor after tensor:
+
+    slot of rank r = row b + slot(r) * slot_stride
+    | tensor 0: page x blocks_per_chunk | tensor 1: ... | ... |
+
+vLLM's own transfer channel names the copies (`submit_store` /
+`submit_load`, with device block ids and kvd slot ids that the scheduler
+side got from the daemon); the copies run at once (torch index copies on
+the CPU), and `get_finished` reports them. The daemon completes a store when
+vLLM's scheduler side says every rank has finished (`complete_store`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_client.errors import BadRequest
+from kvd_client.worker import Mapping
+
+log = logging.getLogger("kvd_client.vllm")
+
+
+class KvdOffloadingWorker(OffloadingWorker):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        *,
+        endpoint: str,
+        pool: str,
+        layout: p.Layout,
+        engine_id: str,
+        rank: int,
+        blocks_per_chunk: int,
+    ) -> None:
+        if blocks_per_chunk != 1:
+            raise BadRequest(
+                f"kvd offloading needs one device block per offload chunk, got {blocks_per_chunk}"
+            )
+        self._device = [t.tensor.view(torch.int8).view(t.tensor.shape[0], -1)
+                        for t in kv_caches.tensors]  # fmt: skip
+        pages = [d.shape[1] for d in self._device]
+        if sum(pages) != layout.slot_bytes:
+            raise BadRequest(
+                f"vLLM's pages ({sum(pages)} bytes a block) do not fill the pool's "
+                f"slot of {layout.slot_bytes} bytes"
+            )
+        self._offsets = [sum(pages[:i]) for i in range(len(pages))]
+        self._rank = rank
+        self._layout = layout
+        self._pool = pool
+        self._mapping: Mapping | None = None
+        self._host: list[torch.Tensor] = []
+        self._results: list[TransferResult] = []
+        self._conn = Connection(
+            endpoint,
+            role="worker",
+            engine_id=engine_id,
+            rank=rank,
+            world_size=layout.world_size,
+            timeout_ms=2000,
+            on_connect=self._attach,
+        )
+        self._conn.start()
+
+    def _attach(self, conn: Connection) -> None:
+        reply = conn.call(p.Attach, self._pool, self._layout, None)
+        assert isinstance(reply, p.Attached)
+        current = self._mapping.attached if self._mapping else None
+        if current is not None and (current.shm_name, current.generation) == (
+            reply.shm_name,
+            reply.generation,
+        ):
+            return
+        self._host = []
+        if self._mapping is not None:
+            self._mapping.close()
+        mapping = Mapping(reply, self._layout.replicated)
+        g = mapping.geometry
+        flat = torch.frombuffer(mapping.mm, dtype=torch.int8)
+        base = g.slot_offset(0, self._rank)
+        self._host = [
+            flat.as_strided((g.num_blocks, d.shape[1]), (g.row_bytes, 1), base + off)
+            for d, off in zip(self._device, self._offsets, strict=True)
+        ]
+        self._mapping = mapping
+
+    # -- OffloadingWorker -------------------------------------------------------
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False)
+
+    def _copy(
+        self, job_id: int, device: GPULoadStoreSpec, pool: LoadStoreSpec, *, store: bool
+    ) -> bool:
+        assert isinstance(pool, CPULoadStoreSpec)
+        start = time.perf_counter()
+        dev_ids = torch.from_numpy(device.block_ids.astype("int64"))
+        slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
+        nbytes = 0
+        for dev, host in zip(self._device, self._host, strict=True):
+            if store:
+                host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids))
+            else:
+                dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids))
+            nbytes += len(dev_ids) * dev.shape[1]
+        ok = bool(self._host)
+        self._results.append(TransferResult(job_id, ok, nbytes, time.perf_counter() - start))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._results = self._results, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return  # copies finish inside submit_*
+
+    def shutdown(self) -> None:
+        self._host = []
+        self._conn.close()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def info(self) -> dict[str, Any]:
+        return {"pool": self._pool, "rank": self._rank}

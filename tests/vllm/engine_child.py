@@ -1,0 +1,95 @@
+"""Runs in a vLLM engine process started by the tests: a tiny Llama served greedily.
+
+`python -m tests.vllm.engine_child CONFIG_JSON` builds `vllm.LLM` on a tiny
+Llama with dummy weights (no hub, no tokenizer), optionally with kvd's
+offloading spec, then answers one JSON command per stdin line:
+
+    {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
+    {"reset_prefix_cache": true}                       -> {"ok": true}
+
+vLLM spawns processes of its own, so everything runs under `__main__`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
+
+
+def write_model(directory: Path, config: dict[str, Any] = TINY_LLAMA) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The `--kv-transfer-config` of the README, with `extra` keys added."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "KvdOffloadingSpec",
+            "spec_module_path": "kvd_client.vllm",
+            **extra,
+        },
+    }
+
+
+def main(config: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {
+        "model": config["model"],
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "gpu_memory_utilization": 0.1,
+        "max_model_len": 4096,
+        "enforce_eager": True,
+        "seed": 0,
+        "block_size": BLOCK_SIZE,
+        "tensor_parallel_size": config.get("tp", 1),
+    }
+    if config.get("kvd") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config["kvd"]))
+    llm = LLM(**kwargs)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+            print(json.dumps({"ok": True}), flush=True)
+            continue
+        params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
