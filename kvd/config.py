@@ -69,6 +69,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     replay_endpoint: str = ""
     events_topic: str = "kv@{hostname}@{pool}"
     events_int_hashes: bool = True  # 8-byte keys published as the ints engines sent
+    # "map": vLLM 0.32's tagged-map events; "array": the older positional form
+    # (llm-d's kv-cache indexer reads only that one).
+    events_format: Literal["map", "array"] = "map"
     events_buffer: NonNegative = 10_000  # batches kept for replay
     events_buffer_bytes: Positive = 64 << 20  # ... and at most this many bytes of them
     metrics_addr: str = "127.0.0.1:9464"  # Prometheus /metrics; "none" disables

@@ -1,24 +1,23 @@
 """Runs in the daemon: KV events in vLLM's wire format, published and replayed (SPEC section 8).
 
-Existing consumers (vLLM's `kv_events_subscriber` example, llm-d's kv-cache
-indexer, Dynamo's router) read them unchanged:
+The framing is vLLM 0.32's `ZmqEventPublisher`'s; the event types are in
+`kvd.io.event_wire` (tagged maps by default, the older arrays behind
+`events_format = "array"`):
 
     PUB     [topic, seq (8 bytes, big-endian), payload]
     payload msgpack KVEventBatch = [ts, [event, ...], data_parallel_rank]
-    event   ["BlockStored", block_hashes, parent_block_hash, token_ids,
-             block_size, lora_id, medium, lora_name]
-            ["BlockRemoved", block_hashes, medium]
-            ["AllBlocksCleared"]
 
-    replay  ROUTER; request  [identity, <envelope ... b"">, start_seq (8 bytes)]
-                    replies  [identity, <envelope>, seq, payload] per buffered
+    replay  ROUTER; request  [identity, b"", start_seq (8 bytes)]
+                    replies  [identity, b"", topic, seq, payload] per buffered
                              batch with seq >= start_seq, then
-                             [identity, <envelope>, -1 (8 bytes), b""]
+                             [identity, b"", b"", END_SEQ (-1, 8 bytes), b""]
 
-The envelope is whatever the client put before the empty delimiter: nothing
-for a DEALER, `b""` for a REQ (as vLLM's publisher expects). A REQ socket
-takes one reply per request, so a REQ client sees the first batch (or the
-end marker) only; a DEALER client sees the whole stream.
+A vLLM client is a DEALER that sends `[b"", start_seq]` and reads until the
+end marker. What comes before the empty delimiter is echoed as it came, so a
+bare DEALER (no delimiter) gets `[topic, seq, payload]` and `[b"", END_SEQ,
+b""]`, and a REQ with REQ_CORRELATE gets its request id back. A plain REQ
+takes one reply per request, so it sees the first batch (or the end marker)
+only.
 
 `add` and `all_cleared` only buffer; `flush` sends one batch per pool, so a
 loop turn that stored a thousand blocks costs one message, not a thousand.
@@ -33,11 +32,20 @@ import os
 import socket
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import msgspec
 import zmq
 
+from kvd.io.event_wire import (
+    ALL_CLEARED,
+    END_SEQ,
+    TO_WIRE,
+    EventBatch,
+    EventFormat,
+    WireEvent,
+    format_topic,
+    parse_replay_request,
+)
 from kvd_client.types import OffloadingEvent
 
 log = logging.getLogger("kvd.io.events")
@@ -45,88 +53,15 @@ log = logging.getLogger("kvd.io.events")
 DEFAULT_TOPIC = "kv@{hostname}@{pool}"
 DEFAULT_BUFFER_SIZE = 10_000
 DEFAULT_BUFFER_BYTES = 64 << 20
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # A replay request is a few short frames; anything larger is not one.
 _MAX_REQUEST_BYTES = 4096
 # Replay requests answered per `handle_replay` call, so a flood of them
 # cannot starve the control socket.
 _MAX_REQUESTS_PER_CALL = 64
 
-ExternalBlockHash = bytes | int
 
-
-# omit_defaults never trims an array-like struct: a batch is [ts, events, None],
-# three elements, as vLLM's own are.
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(
-    msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True, tag=True
-):
-    """Base of the tagged events; the tag is the class name."""
-
-
-class BlockStored(KVCacheEvent, frozen=True):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    # Required, not defaulted: vLLM's own types (0.12 on) require it, and
-    # consumers with the older six fields ignore a trailing element.
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent, frozen=True):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent, frozen=True):
-    """Every block of the pool is gone (start, reset, drop)."""
-
-
-class KVEventBatch(EventBatch, frozen=True):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-def block_hashes(keys: Sequence[bytes], as_int: bool) -> list[ExternalBlockHash]:
-    """Keys as event block hashes; with `as_int`, 8-byte keys become the unsigned
-    int they were sent as (what vLLM publishes by default), other keys stay bytes."""
-    if not as_int:
-        return list(keys)
-    return [int.from_bytes(k, "big") if len(k) == 8 else k for k in keys]
-
-
-def to_wire(event: OffloadingEvent, int_block_hashes: bool = False) -> BlockStored | BlockRemoved:
-    """The vLLM event for one index event. The daemon never sees tokens, so
-    `token_ids` is empty and `parent_block_hash` is None."""
-    hashes = block_hashes(event.keys, int_block_hashes)
-    if event.removed:
-        return BlockRemoved(hashes, event.medium)
-    return BlockStored(hashes, None, [], event.block_tokens, None, event.medium, None)
-
-
-def format_topic(topic_format: str, hostname: str, pool: str) -> bytes:
-    return topic_format.format(hostname=hostname, pool=pool).encode()
-
-
-def parse_replay_request(frames: Sequence[bytes]) -> tuple[list[bytes], int | None]:
-    """Splits `[identity, *envelope, body]` (identity already removed) into the
-    envelope to echo and the start sequence; None when the body is not 8 bytes."""
-    cut = 0
-    for i, frame in enumerate(frames):
-        if not frame:
-            cut = i + 1
-            break
-    envelope, body = list(frames[:cut]), frames[cut:]
-    if len(body) != 1 or len(body[0]) != 8:
-        return envelope, None
-    return envelope, int.from_bytes(body[0], "big")
+def _size(kept: tuple[int, bytes, bytes]) -> int:
+    return len(kept[1]) + len(kept[2])
 
 
 class EventPublisher:
@@ -148,10 +83,13 @@ class EventPublisher:
         topic_format: str = DEFAULT_TOPIC,
         gid: int | None = None,
         int_block_hashes: bool = False,
+        event_format: EventFormat = "map",
         hwm: int = 100_000,
     ) -> None:
         if buffer_size < 0:
             raise ValueError(f"buffer_size must be >= 0, got {buffer_size}")
+        if event_format not in TO_WIRE:
+            raise ValueError(f"event_format must be 'map' or 'array', got {event_format!r}")
         self.hostname = hostname if hostname is not None else socket.gethostname()
         self.topic_format = topic_format
         try:
@@ -161,12 +99,15 @@ class EventPublisher:
                 f"bad topic format {topic_format!r}: use {{hostname}} and {{pool}} ({exc!r})"
             ) from None
         self.int_block_hashes = int_block_hashes
+        self.event_format = event_format
+        self._to_wire = TO_WIRE[event_format]
+        self._all_cleared = ALL_CLEARED[event_format]
         self.batches_sent = 0
         self.events_sent = 0
         self.replays_served = 0
         self._gid = gid
         self._seq = 0
-        self._pending: dict[str, list[BlockStored | BlockRemoved | AllBlocksCleared]] = {}
+        self._pending: dict[str, list[WireEvent]] = {}
         self._encode = msgspec.msgpack.Encoder().encode
         self._files: list[str] = []
         self._pub: zmq.Socket[bytes] | None = None
@@ -190,7 +131,7 @@ class EventPublisher:
             self.close()
             raise
         # Only a replay socket ever reads the ring; without one, keep nothing.
-        self._ring: deque[tuple[int, bytes]] = deque(
+        self._ring: deque[tuple[int, bytes, bytes]] = deque(
             maxlen=buffer_size if self._replay is not None else 0
         )
         # The ring is bounded in bytes too: one batch can carry 65,536 keys.
@@ -246,7 +187,7 @@ class EventPublisher:
         """Buffers a pool's index events, oldest first, for the next `flush`."""
         if self._pub is None and self._replay is None:
             return
-        wire = [to_wire(e, self.int_block_hashes) for e in events if e.keys]
+        wire = [w for e in events if e.keys for w in self._to_wire(e, self.int_block_hashes)]
         if wire:
             self._pending.setdefault(pool, []).extend(wire)
 
@@ -254,7 +195,7 @@ class EventPublisher:
         """Buffers an AllBlocksCleared (pool declared, reset or dropped)."""
         if self._pub is None and self._replay is None:
             return
-        self._pending.setdefault(pool, []).append(AllBlocksCleared())
+        self._pending.setdefault(pool, []).append(self._all_cleared)
 
     def flush(self, now_ts: float) -> int:
         """Sends one batch per pool with pending events, each with the next
@@ -265,33 +206,34 @@ class EventPublisher:
         for pool, events in pending.items():
             seq = self._seq
             self._seq += 1
-            payload = self._encode(KVEventBatch(now_ts, events))
+            topic = self.topic(pool)
+            payload = self._encode(EventBatch(now_ts, events))
             if self._pub is not None:
                 # A PUB never blocks: a slow subscriber loses messages and
                 # asks the replay socket for them by sequence number.
-                self._pub.send_multipart(
-                    (self.topic(pool), seq.to_bytes(8, "big"), payload), zmq.NOBLOCK
-                )
-            self._keep(seq, payload)
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+            self._keep(seq, topic, payload)
             self.events_sent += len(events)
         self.batches_sent += len(pending)
         return len(pending)
 
-    def _keep(self, seq: int, payload: bytes) -> None:
+    def _keep(self, seq: int, topic: bytes, payload: bytes) -> None:
+        """Keeps a batch with its topic: a replay answers each batch under the
+        topic it was published on, as vLLM's publisher does."""
         ring = self._ring
         if ring.maxlen == 0:
             return
         if len(ring) == ring.maxlen:
-            self._ring_bytes -= len(ring[0][1])  # the deque drops it on append
-        ring.append((seq, payload))
-        self._ring_bytes += len(payload)
+            self._ring_bytes -= _size(ring[0])  # the deque drops it on append
+        ring.append((seq, topic, payload))
+        self._ring_bytes += len(topic) + len(payload)
         while self._ring_bytes > self.buffer_bytes and len(ring) > 1:
-            self._ring_bytes -= len(ring.popleft()[1])
+            self._ring_bytes -= _size(ring.popleft())
             self.batches_dropped += 1
 
     @property
     def ring_bytes(self) -> int:
-        """Bytes of the batches kept for replay."""
+        """Bytes of the batches kept for replay (payloads and topics)."""
         return self._ring_bytes
 
     # -- replay ----------------------------------------------------------------
@@ -313,7 +255,7 @@ class EventPublisher:
     def _answer(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         identity = frames[0]
         envelope, start = parse_replay_request(frames[1:])
-        batches: Iterable[tuple[int, bytes]] = ()
+        batches: Iterable[tuple[int, bytes, bytes]] = ()
         if start is None:
             log.warning("event=replay_request_malformed frames=%d", len(frames) - 1)
         elif self._ring:
@@ -323,10 +265,10 @@ class EventPublisher:
         head = [identity, *envelope]
         sent = 0
         try:
-            for seq, payload in batches:
-                sock.send_multipart([*head, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+            for seq, topic, payload in batches:
+                sock.send_multipart([*head, topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
                 sent += 1
-            sock.send_multipart([*head, END_SEQ, b""], zmq.NOBLOCK)
+            sock.send_multipart([*head, b"", END_SEQ, b""], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer left or its queue is full: it retries
             log.warning("event=replay_abandoned sent=%d reason=%s", sent, exc)
             return

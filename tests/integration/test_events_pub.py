@@ -1,7 +1,8 @@
 """Runs in the test process: the event publisher over real ipc:// sockets (no daemon).
 
-The subscriber side uses only the wire format: its own msgspec types, raw
-ZeroMQ SUB, DEALER and REQ sockets.
+The subscriber side uses only the wire format (SPEC section 8): its own msgspec
+types for vLLM 0.32's tagged maps and for the older arrays, raw ZeroMQ SUB,
+DEALER and REQ sockets.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ END = b"\xff" * 8
 WAIT_MS = 10_000  # generous: CI machines are small and busy
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, gc=False, tag=True):
     pass
 
 
@@ -36,11 +37,16 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -52,7 +58,30 @@ class Batch(msgspec.Struct, array_like=True, gc=False):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+class ArrayStored(msgspec.Struct, array_like=True, gc=False, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class ArrayCleared(msgspec.Struct, array_like=True, gc=False, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayStored | ArrayCleared]
+
+
 decode = msgspec.msgpack.Decoder(Batch).decode
+
+
+def local_stored(ks: list[bytes], block_tokens: int = 16) -> BlockStored:
+    """What the daemon says about 8-byte keys it stored (bytes hashes by default)."""
+    return BlockStored(ks, None, [], block_tokens, None, "CPU", locality="LOCAL")
 
 
 def keys(n: int, start: int = 0) -> list[bytes]:
@@ -168,8 +197,8 @@ def test_batch_decodes_with_topic_seq_and_ts(
     assert seq == first
     assert batch.ts == 1234.5
     assert batch.events == [
-        BlockStored(keys(3), None, [], 32, None, "CPU"),
-        BlockRemoved(keys(1), "CPU"),
+        local_stored(keys(3), 32),
+        BlockRemoved(keys(1), "CPU", locality="LOCAL"),
         AllBlocksCleared(),
     ]
     sub.close()
@@ -224,18 +253,40 @@ def test_replay_to_dealer_with_and_without_delimiter(
 ) -> None:
     seqs = publish_batches(pub, 5)
     dealer = sock(ctx, zmq.DEALER, pub.replay_endpoint)
-    msgs = replay(dealer, pub, [seqs[2].to_bytes(8, "big")])
-    assert [len(m) for m in msgs] == [2, 2, 2, 2]
-    assert [int.from_bytes(m[0], "big") for m in msgs[:-1]] == seqs[2:]
-    assert [hashes(decode(m[1])) for m in msgs[:-1]] == [keys(1, 2), keys(1, 3), keys(1, 4)]
-    assert msgs[-1] == [END, b""]
-    # With the REQ-style delimiter, the delimiter comes back on every reply.
-    msgs = replay(dealer, pub, [b"", seqs[4].to_bytes(8, "big")])
-    assert [m[0] for m in msgs] == [b"", b""]
-    assert msgs[0][1] == seqs[4].to_bytes(8, "big")
+    # vLLM 0.32's framing: [b"", start] in; [b"", topic, seq, payload] per batch,
+    # then [b"", b"", END_SEQ, b""].
+    msgs = replay(dealer, pub, [b"", seqs[2].to_bytes(8, "big")])
+    assert [len(m) for m in msgs] == [4, 4, 4, 4]
+    assert [m[:2] for m in msgs[:-1]] == [[b"", b"kv@h1@p"]] * 3
+    assert [int.from_bytes(m[2], "big") for m in msgs[:-1]] == seqs[2:]
+    assert [hashes(decode(m[3])) for m in msgs[:-1]] == [keys(1, 2), keys(1, 3), keys(1, 4)]
+    assert msgs[-1] == [b"", b"", END, b""]
+    # A bare DEALER (no delimiter) gets the same frames without it.
+    msgs = replay(dealer, pub, [seqs[4].to_bytes(8, "big")])
+    assert msgs[0][:2] == [b"kv@h1@p", seqs[4].to_bytes(8, "big")]
     assert msgs[1] == [b"", END, b""]
     # Past the newest batch: just the end marker.
-    assert replay(dealer, pub, [(seqs[4] + 1).to_bytes(8, "big")]) == [[END, b""]]
+    assert replay(dealer, pub, [b"", (seqs[4] + 1).to_bytes(8, "big")]) == [[b"", b"", END, b""]]
+    dealer.close()
+
+
+def test_replay_answers_each_batch_under_its_own_topic(
+    ctx: zmq.Context[zmq.Socket[bytes]], pub: EventPublisher
+) -> None:
+    first = pub.next_seq
+    pub.add("a", [stored(keys(1, 1))])
+    pub.add("b", [stored(keys(1, 2))])
+    pub.flush(1.0)
+    pub.all_cleared("a")
+    pub.flush(2.0)
+    dealer = sock(ctx, zmq.DEALER, pub.replay_endpoint)
+    msgs = replay(dealer, pub, [b"", first.to_bytes(8, "big")])
+    got = [(m[1], int.from_bytes(m[2], "big"), decode(m[3]).events) for m in msgs[:-1]]
+    assert got == [
+        (b"kv@h1@a", first, [local_stored(keys(1, 1))]),
+        (b"kv@h1@b", first + 1, [local_stored(keys(1, 2))]),
+        (b"kv@h1@a", first + 2, [AllBlocksCleared()]),
+    ]
     dealer.close()
 
 
@@ -245,14 +296,15 @@ def test_replay_to_req_clients(ctx: zmq.Context[zmq.Socket[bytes]], pub: EventPu
     req = sock(ctx, zmq.REQ, pub.replay_endpoint)
     req.send(seqs[1].to_bytes(8, "big"))
     serve(pub, req)
-    seq, payload = req.recv_multipart()
+    topic, seq, payload = req.recv_multipart()
+    assert topic == b"kv@h1@p"
     assert int.from_bytes(seq, "big") == seqs[1]
-    assert decode(payload).events[0] == BlockStored(keys(1, 1), None, [], 16, None, "CPU")
+    assert decode(payload).events[0] == local_stored(keys(1, 1))
     req.close()
     req = sock(ctx, zmq.REQ, pub.replay_endpoint)
     req.send((seqs[-1] + 10).to_bytes(8, "big"))
     serve(pub, req)
-    assert req.recv_multipart() == [END, b""]
+    assert req.recv_multipart() == [b"", END, b""]
     req.close()
     # A REQ with REQ_CORRELATE pages through one batch per request: the daemon
     # echoes its request id, so the stale rest of each answer is discarded.
@@ -263,7 +315,7 @@ def test_replay_to_req_clients(ctx: zmq.Context[zmq.Socket[bytes]], pub: EventPu
     start = seqs[0]
     while True:
         req.send(start.to_bytes(8, "big"))
-        seq, payload = recv_served(pub, req)
+        _, seq, payload = recv_served(pub, req)
         if payload == b"":
             break
         got.append(int.from_bytes(seq, "big"))
@@ -277,10 +329,10 @@ def test_malformed_replay_requests_get_the_end_marker(
 ) -> None:
     seqs = publish_batches(pub, 2)
     dealer = sock(ctx, zmq.DEALER, pub.replay_endpoint)
-    assert replay(dealer, pub, [b"abc"]) == [[END, b""]]
-    assert replay(dealer, pub, [b"", b"x" * 9]) == [[b"", END, b""]]
-    assert replay(dealer, pub, [b"\x00" * 8, b"\x00" * 8]) == [[END, b""]]
-    assert replay(dealer, pub, [b""]) == [[b"", END, b""]]
+    assert replay(dealer, pub, [b"abc"]) == [[b"", END, b""]]
+    assert replay(dealer, pub, [b"", b"x" * 9]) == [[b"", b"", END, b""]]
+    assert replay(dealer, pub, [b"\x00" * 8, b"\x00" * 8]) == [[b"", END, b""]]
+    assert replay(dealer, pub, [b""]) == [[b"", b"", END, b""]]
     # The socket still serves well-formed requests afterwards.
     msgs = replay(dealer, pub, [seqs[0].to_bytes(8, "big")])
     assert len(msgs) == 3
@@ -310,10 +362,10 @@ def test_ring_buffer_keeps_the_newest_batches(
     with EventPublisher(ctx, "", f"ipc://{rundir}/replay.sock", buffer_size=3, hostname="h") as pub:
         seqs = publish_batches(pub, 7)
         dealer = sock(ctx, zmq.DEALER, pub.replay_endpoint)
-        msgs = replay(dealer, pub, [b"\x00" * 8])
-        assert [int.from_bytes(m[0], "big") for m in msgs[:-1]] == seqs[-3:]
-        msgs = replay(dealer, pub, [seqs[5].to_bytes(8, "big")])
-        assert [int.from_bytes(m[0], "big") for m in msgs[:-1]] == seqs[5:]
+        msgs = replay(dealer, pub, [b"", b"\x00" * 8])
+        assert [int.from_bytes(m[2], "big") for m in msgs[:-1]] == seqs[-3:]
+        msgs = replay(dealer, pub, [b"", seqs[5].to_bytes(8, "big")])
+        assert [int.from_bytes(m[2], "big") for m in msgs[:-1]] == seqs[5:]
         dealer.close()
 
 
@@ -332,7 +384,7 @@ def test_replay_served_from_an_asyncio_reader(
         try:
             pub.handle_replay()  # an edge may have passed before the reader was added
             await asyncio.sleep(0.05)
-            dealer.send(seqs[0].to_bytes(8, "big"))
+            dealer.send_multipart([b"", seqs[0].to_bytes(8, "big")])
             for _ in range(WAIT_MS // 10):
                 if pub.replays_served:
                     return
@@ -344,6 +396,55 @@ def test_replay_served_from_an_asyncio_reader(
     assert pub.replays_served == 1
     assert len([dealer.recv_multipart() for _ in range(3)]) == 3
     dealer.close()
+
+
+def test_array_form_behind_the_switch(ctx: zmq.Context[zmq.Socket[bytes]], rundir: Path) -> None:
+    with EventPublisher(
+        ctx,
+        f"ipc://{rundir}/ev.sock",
+        f"ipc://{rundir}/rp.sock",
+        hostname="h",
+        int_block_hashes=True,
+        event_format="array",
+    ) as pub:
+        sub = subscriber(ctx, pub)
+        first = pub.next_seq
+        pub.add("p", [stored(keys(2, 5))])
+        pub.all_cleared("p")
+        pub.flush(3.0)
+        topic, seq, payload = sub.recv_multipart()
+        assert (topic, int.from_bytes(seq, "big")) == (b"kv@h@p", first)
+        assert msgspec.msgpack.decode(payload)[1] == [
+            ["BlockStored", [5, 6], None, [], 16, None, "CPU", None, None, None, None, None],
+            ["AllBlocksCleared"],
+        ]
+        assert msgspec.msgpack.Decoder(ArrayBatch).decode(payload).events == [
+            ArrayStored([5, 6], None, [], 16, None, "CPU"),
+            ArrayCleared(),
+        ]
+        # The replay framing does not depend on the form.
+        dealer = sock(ctx, zmq.DEALER, pub.replay_endpoint)
+        msgs = replay(dealer, pub, [b"", first.to_bytes(8, "big")])
+        assert msgs == [[b"", b"kv@h@p", seq, payload], [b"", b"", END, b""]]
+        dealer.close()
+        sub.close()
+    with pytest.raises(ValueError, match="event_format"):
+        EventPublisher(ctx, "", "", event_format="xml")  # type: ignore[arg-type]
+
+
+def test_ring_bytes_count_topics_and_payloads(
+    ctx: zmq.Context[zmq.Socket[bytes]], rundir: Path
+) -> None:
+    with EventPublisher(ctx, "", f"ipc://{rundir}/replay.sock", hostname="h") as pub:
+        pub.all_cleared("p")
+        pub.flush(1.0)
+        one = pub.ring_bytes
+        assert one > len(b"kv@h@p")
+        # A byte bound below two batches keeps only the newest one.
+        pub.buffer_bytes = one + 1
+        pub.all_cleared("p")
+        pub.flush(2.0)
+        assert (pub.ring_bytes, pub.batches_dropped) == (one, 1)
 
 
 def test_socket_files_are_0660_and_removed_on_close(

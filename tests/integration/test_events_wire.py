@@ -1,7 +1,9 @@
 """Runs in the test process: a real daemon's KV events and metrics, read as their consumers would.
 
 The subscriber uses only the wire format (SPEC section 8): its own msgspec
-types, raw SUB, DEALER and REQ sockets, and plain HTTP for /metrics.
+types for vLLM 0.32's tagged-map events, raw SUB, DEALER and REQ sockets, and
+plain HTTP for /metrics. vLLM's own decoder reads the same daemon in
+test_events_vllm.py.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ capacity_bytes = 32768
 """
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, gc=False, tag=True, forbid_unknown_fields=True):
     pass
 
 
@@ -46,11 +48,16 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -186,16 +193,28 @@ def joined_subscriber(w: Wired, seen: list[Message]) -> zmq.Socket[bytes]:
     return sub
 
 
+def stored(hashes: list[bytes | int], group_idx: int | None = None) -> BlockStored:
+    return BlockStored(hashes, None, [], 16, None, "CPU", None, group_idx, "LOCAL")
+
+
+def removed(hashes: list[bytes | int], group_idx: int | None = None) -> BlockRemoved:
+    return BlockRemoved(hashes, "CPU", group_idx, "LOCAL")
+
+
 def replay_all(w: Wired, start_seq: int) -> list[tuple[int, bytes]]:
+    """vLLM 0.32's replay framing: [b"", start] in, [b"", topic, seq, payload]
+    per batch, then [b"", b"", END_SEQ, b""]."""
     dealer = connect(w, zmq.DEALER, w.replay)
-    dealer.send(start_seq.to_bytes(8, "big"))
+    dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
     out = []
     while True:
-        seq, payload = dealer.recv_multipart()
+        empty, t, seq, payload = dealer.recv_multipart()
+        assert empty == b""
         if seq == END:
-            assert payload == b""
+            assert (t, payload) == (b"", b"")
             dealer.close()
             return out
+        assert t.startswith(b"kv@")
         out.append((int.from_bytes(seq, "big"), payload))
 
 
@@ -204,14 +223,14 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
     seen: list[Message] = []
     sub = joined_subscriber(w, seen)
     # 8-byte keys are published as the ints the engine hashed (events_int_hashes).
-    stored = BlockStored(ints(8), None, [], 16, None, "CPU")
+    first = stored(ints(8))
     with Scheduler(
         "p", LAYOUT, engine_id="e", endpoint=w.daemon.endpoint, capacity_bytes=8 * 4096
     ) as s:
         assert s.attached is not None and s.attached.num_blocks == 8
         s.prepare_store(keys(8))
         s.complete_store(keys(8))
-        collect(sub, seen, lambda m: stored in events_of(m, "p"))
+        collect(sub, seen, lambda m: first in events_of(m, "p"))
         out = s.prepare_store(keys(3, 100))  # full: evicts the three least recent
         assert out is not None and out.evicted_keys == keys(3)
         s.complete_store(keys(3, 100))
@@ -223,9 +242,9 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
 
     assert events_of(seen, "p") == [
         AllBlocksCleared(),  # a new pool's topic starts clean
-        stored,
-        BlockRemoved(ints(3), "CPU"),
-        BlockStored(ints(3, 100), None, [], 16, None, "CPU"),
+        first,
+        removed(ints(3)),
+        stored(ints(3, 100)),
         AllBlocksCleared(),  # reset
         AllBlocksCleared(),  # drop
     ]
@@ -245,6 +264,24 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
     sub.close()
 
 
+def test_vllm_offload_keys_carry_their_group(wired: Wired) -> None:
+    """36-byte keys (vLLM's block hash + 4-byte group) are published with group_idx."""
+    w = wired
+    seen: list[Message] = []
+    sub = joined_subscriber(w, seen)
+    ks = [bytes([i]) * 32 + g.to_bytes(4, "big") for i, g in ((1, 0), (2, 0), (3, 1))]
+    with Scheduler("g", LAYOUT, engine_id="e", endpoint=w.daemon.endpoint) as s:
+        s.prepare_store(ks)
+        s.complete_store(ks)
+        collect(sub, seen, lambda m: len(events_of(m, "g")) >= 3)
+    assert events_of(seen, "g") == [
+        AllBlocksCleared(),
+        stored([ks[0], ks[1]], group_idx=0),  # 36-byte keys stay bytes
+        stored([ks[2]], group_idx=1),
+    ]
+    sub.close()
+
+
 def replay_first(w: Wired) -> list[tuple[int, bytes]]:
     """Replays from 0 until the startup batch is there (the daemon may flush it
     a tick after it first answers)."""
@@ -259,17 +296,17 @@ def replay_first(w: Wired) -> list[tuple[int, bytes]]:
 def test_replay_answers_req_and_malformed_requests(wired: Wired) -> None:
     w = wired
     assert decode(replay_first(w)[0][1]).events == [AllBlocksCleared()]
-    req = connect(w, zmq.REQ, w.replay)  # as vLLM's example subscriber does
+    req = connect(w, zmq.REQ, w.replay)  # a REQ takes the first reply only
     req.send((0).to_bytes(8, "big"))
-    seq, payload = req.recv_multipart()
-    assert int.from_bytes(seq, "big") == 0
+    t, seq, payload = req.recv_multipart()
+    assert (t, int.from_bytes(seq, "big")) == (topic("declared"), 0)
     assert decode(payload).events == [AllBlocksCleared()]
     req.close()
     dealer = connect(w, zmq.DEALER, w.replay)
     dealer.send(b"not eight bytes")
-    assert dealer.recv_multipart() == [END, b""]
+    assert dealer.recv_multipart() == [b"", END, b""]
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-    assert dealer.recv_multipart()[:2] == [b"", (0).to_bytes(8, "big")]
+    assert dealer.recv_multipart()[:3] == [b"", topic("declared"), (0).to_bytes(8, "big")]
     dealer.close()
     conn = Connection(w.daemon.endpoint, role="admin", keeper=False, timeout_ms=2000)
     conn.connect()  # the daemon is still serving

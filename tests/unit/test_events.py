@@ -1,7 +1,9 @@
-"""Runs in the test process: the KV-event encoding, read back as a vLLM consumer would.
+"""Runs in the test process: the KV-event encoding, read back as its consumers would.
 
-The consumer types below are written from the wire format alone (they copy
-vLLM's `kv_events_subscriber` example), never imported from `kvd.io.events`.
+The consumer types below are written from the wire format alone (SPEC section
+8: vLLM 0.32's tagged maps, and the older positional arrays that llm-d's
+indexer reads), never imported from `kvd.io.event_wire`. vLLM's own decoder
+is the test in tests/integration/test_events_vllm.py.
 """
 
 from __future__ import annotations
@@ -11,30 +13,34 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvd.io.events import (
+from kvd.io.event_wire import (
     END_SEQ,
     AllBlocksCleared,
-    KVEventBatch,
+    ArrayAllBlocksCleared,
+    EventBatch,
+    EventFormat,
     format_topic,
+    group_of,
     parse_replay_request,
     to_wire,
 )
 from kvd_client.scheduler import as_keys
 from kvd_client.types import OffloadingEvent
 
-# -- consumer types: vLLM 0.12+ (bytes | int hashes, lora_name) -----------------
+# -- consumer types: vLLM 0.32 (tagged maps, defaults omitted) -------------------
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class Batch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Any]
+    events: list[Stored | Removed | Cleared]
+    data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class MapEvent(msgspec.Struct, gc=False, tag=True, forbid_unknown_fields=True):
     pass
 
 
-class BlockStored(KVCacheEvent):
+class Stored(MapEvent, tag="BlockStored"):
     block_hashes: list[bytes | int]
     parent_block_hash: bytes | int | None
     token_ids: list[int]
@@ -42,25 +48,35 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
-class BlockRemoved(KVCacheEvent):
+class Removed(MapEvent, tag="BlockRemoved"):
     block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class AllCleared(KVCacheEvent, tag="AllBlocksCleared"):
+class Cleared(MapEvent, tag="AllBlocksCleared"):
     pass
 
 
-class Batch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllCleared]
+# -- consumer types: the older positional form (int hashes, six fields) ----------
 
 
-# -- consumer types: the older example (int hashes, no lora_name) ---------------
+class ArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
 
 
-class LegacyStored(KVCacheEvent, tag="BlockStored"):
+class LegacyStored(ArrayEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -69,36 +85,58 @@ class LegacyStored(KVCacheEvent, tag="BlockStored"):
     medium: str | None
 
 
-class LegacyRemoved(KVCacheEvent, tag="BlockRemoved"):
+class LegacyRemoved(ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
 
 
-class LegacyBatch(EventBatch):
-    events: list[LegacyStored | LegacyRemoved | AllCleared]
+class LegacyCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class LegacyBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[LegacyStored | LegacyRemoved | LegacyCleared]
 
 
 K = [b"\x00" * 7 + b"\x01", b"\xff" * 8, b"a-longer-key-of-20-b"]
 
 
+def offload_key(block_hash: bytes, group: int) -> bytes:
+    """vLLM's offload key: a 32-byte block hash, then the group as 4 bytes."""
+    return block_hash + group.to_bytes(4, "big")
+
+
 def encode(events: list[Any], ts: float = 1.5) -> bytes:
-    return msgspec.msgpack.encode(KVEventBatch(ts, events))
+    return msgspec.msgpack.encode(EventBatch(ts, events))
 
 
-def test_wire_shape_is_vllm_positional_arrays() -> None:
-    payload = encode(
-        [
-            to_wire(OffloadingEvent(K[:2], 16)),
-            to_wire(OffloadingEvent(K[2:], 16, removed=True)),
-            AllBlocksCleared(),
-        ]
-    )
-    assert msgspec.msgpack.decode(payload) == [
+def wire(event: OffloadingEvent, as_int: bool = False, fmt: EventFormat = "map") -> list[Any]:
+    return list(to_wire(event, as_int, fmt))
+
+
+def test_wire_shape_is_vllm_032_tagged_maps() -> None:
+    events = [
+        *wire(OffloadingEvent(K[:2], 16)),
+        *wire(OffloadingEvent(K[2:], 16, removed=True)),
+        AllBlocksCleared(),
+    ]
+    assert msgspec.msgpack.decode(encode(events)) == [
         1.5,
         [
-            ["BlockStored", K[:2], None, [], 16, None, "CPU", None],
-            ["BlockRemoved", K[2:], "CPU"],
-            ["AllBlocksCleared"],
+            {
+                "type": "BlockStored",
+                "block_hashes": K[:2],
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "CPU",
+                "lora_name": None,
+                "locality": "LOCAL",
+            },
+            {"type": "BlockRemoved", "block_hashes": K[2:], "medium": "CPU", "locality": "LOCAL"},
+            {"type": "AllBlocksCleared"},
         ],
         None,
     ]
@@ -107,43 +145,117 @@ def test_wire_shape_is_vllm_positional_arrays() -> None:
 def test_consumer_types_decode_stored_removed_cleared() -> None:
     payload = encode(
         [
-            to_wire(OffloadingEvent(K, 32)),
-            to_wire(OffloadingEvent([K[0]], 32, removed=True)),
+            *wire(OffloadingEvent(K, 32)),
+            *wire(OffloadingEvent([K[0]], 32, removed=True)),
             AllBlocksCleared(),
         ],
         ts=99.25,
     )
     batch = msgspec.msgpack.Decoder(Batch).decode(payload)
     assert batch.ts == 99.25
-    stored, removed, cleared = batch.events
-    assert stored == BlockStored(K, None, [], 32, None, "CPU", None)
-    assert removed == BlockRemoved([K[0]], "CPU")
-    assert isinstance(cleared, AllCleared)
+    assert batch.data_parallel_rank is None
+    assert batch.events == [
+        Stored(K, None, [], 32, None, "CPU", None, locality="LOCAL"),
+        Removed([K[0]], "CPU", locality="LOCAL"),
+        Cleared(),
+    ]
+
+
+def test_group_idx_from_vllm_offload_keys_one_event_per_group() -> None:
+    a, b, c = (offload_key(bytes([i]) * 32, g) for i, g in ((1, 0), (2, 0), (3, 2)))
+    assert [group_of(k) for k in (a, c, K[0], K[2], a[:35])] == [0, 2, None, None, None]
+    # Key order is kept; a change of group (or a key without one) starts a new event.
+    events = wire(OffloadingEvent([a, b, c, K[0], a], 16), as_int=True)
+    decoded = msgspec.msgpack.Decoder(Batch).decode(encode(events)).events
+    assert [(e.block_hashes, e.group_idx) for e in decoded if isinstance(e, Stored)] == [
+        ([a, b], 0),
+        ([c], 2),
+        ([1], None),  # an 8-byte key: no group, and an int hash
+        ([a], 0),
+    ]
+    removed = wire(OffloadingEvent([c, a], 16, removed=True))
+    assert msgspec.msgpack.decode(encode(removed))[1] == [
+        {
+            "type": "BlockRemoved",
+            "block_hashes": [c],
+            "medium": "CPU",
+            "group_idx": 2,
+            "locality": "LOCAL",
+        },
+        {
+            "type": "BlockRemoved",
+            "block_hashes": [a],
+            "medium": "CPU",
+            "group_idx": 0,
+            "locality": "LOCAL",
+        },
+    ]
+
+
+def test_array_form_is_the_positional_layout_of_older_vllm() -> None:
+    g1 = offload_key(b"\x07" * 32, 1)
+    events = [
+        *wire(OffloadingEvent(K[:1], 16), True, "array"),
+        *wire(OffloadingEvent([g1], 16, removed=True), True, "array"),
+        ArrayAllBlocksCleared(),
+    ]
+    # The positions llm-d's indexer reads: [0] tag ... [9] group_idx,
+    # [10] kv_cache_spec_kind, [11] kv_cache_spec_sliding_window; removal [3] group_idx.
+    assert msgspec.msgpack.decode(encode(events)) == [
+        1.5,
+        [
+            ["BlockStored", [1], None, [], 16, None, "CPU", None, None, None, None, None],
+            ["BlockRemoved", [g1], "CPU", 1],
+            ["AllBlocksCleared"],
+        ],
+        None,
+    ]
+
+
+def test_array_form_reads_with_the_older_six_field_types() -> None:
+    engine_hashes = [1, 2**64 - 5, 123456789]
+    keys = as_keys(engine_hashes)
+    events = [
+        *wire(OffloadingEvent(keys, 16), True, "array"),
+        *wire(OffloadingEvent(keys[:1], 16, removed=True), True, "array"),
+        ArrayAllBlocksCleared(),
+    ]
+    batch = msgspec.msgpack.Decoder(LegacyBatch).decode(encode(events))
+    assert batch.events == [
+        LegacyStored(engine_hashes, None, [], 16, None, "CPU"),
+        LegacyRemoved([1], "CPU"),
+        LegacyCleared(),
+    ]
+
+
+def test_map_form_is_not_the_array_form() -> None:
+    """The failure the switch exists for: an array-only reader rejects maps."""
+    payload = encode(wire(OffloadingEvent(as_keys([1]), 16), True))
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `array`, got `object`"):
+        msgspec.msgpack.Decoder(LegacyBatch).decode(payload)
 
 
 def test_int_block_hashes_are_the_ints_the_engine_sent() -> None:
     engine_hashes = [1, 2**64 - 5, 123456789]
     keys = as_keys(engine_hashes)
-    event = to_wire(OffloadingEvent([*keys, K[2]], 16), int_block_hashes=True)
-    assert event.block_hashes == [*engine_hashes, K[2]]  # only 8-byte keys become ints
-    # The older example's types (list[int]) read them as they read vLLM's own events.
-    only_ints = encode([to_wire(OffloadingEvent(keys, 16), True), AllBlocksCleared()])
-    batch = msgspec.msgpack.Decoder(LegacyBatch).decode(only_ints)
-    assert batch.events[0] == LegacyStored(engine_hashes, None, [], 16, None, "CPU")
-    removed = encode([to_wire(OffloadingEvent(keys[:1], 16, removed=True), True)])
-    assert msgspec.msgpack.Decoder(LegacyBatch).decode(removed).events == [
-        LegacyRemoved([1], "CPU")
-    ]
+    (event,) = wire(OffloadingEvent([*keys, K[2]], 16), as_int=True)
+    assert isinstance(event, msgspec.Struct)
+    assert msgspec.structs.asdict(event)["block_hashes"] == [*engine_hashes, K[2]]
 
 
 def test_bytes_hashes_by_default() -> None:
-    event = to_wire(OffloadingEvent(as_keys([7]), 16))
-    assert event.block_hashes == [(7).to_bytes(8, "big")]
+    (event,) = wire(OffloadingEvent(as_keys([7]), 16))
+    assert msgspec.structs.asdict(event)["block_hashes"] == [(7).to_bytes(8, "big")]
 
 
 def test_medium_comes_from_the_index_event() -> None:
-    event = to_wire(OffloadingEvent(K[:1], 16, medium="DISK", removed=True))
-    assert msgspec.msgpack.decode(encode([event]))[1] == [["BlockRemoved", K[:1], "DISK"]]
+    events = wire(OffloadingEvent(K[:1], 16, medium="DISK", removed=True))
+    assert msgspec.msgpack.decode(encode(events))[1][0]["medium"] == "DISK"
+
+
+def test_unknown_format_is_refused() -> None:
+    with pytest.raises(KeyError):
+        to_wire(OffloadingEvent(K[:1], 16), False, "json")  # type: ignore[arg-type]
 
 
 def test_topic_format() -> None:
@@ -157,7 +269,7 @@ START = (41).to_bytes(8, "big")
 @pytest.mark.parametrize(
     ("frames", "envelope", "start"),
     [
-        ([b"", START], [b""], 41),  # REQ client: the delimiter is echoed
+        ([b"", START], [b""], 41),  # vLLM's client (DEALER or REQ): the delimiter is echoed
         ([START], [], 41),  # bare DEALER
         ([b"\x00\x01\x02\x03", b"", START], [b"\x00\x01\x02\x03", b""], 41),  # REQ_CORRELATE
         ([b"", (2**64 - 1).to_bytes(8, "big")], [b""], 2**64 - 1),

@@ -1,0 +1,267 @@
+"""Runs in the daemon: the KV events' wire types (vLLM 0.32's form, the older arrays) and framing.
+
+vLLM 0.32 (`vllm/distributed/kv_events.py`) encodes each event as a tagged
+*map*, the tag under "type", fields that hold their default left out; the
+batch around them stays a positional array:
+
+    KVEventBatch = [ts, [event, ...], data_parallel_rank]
+    BlockStored  = {"type": "BlockStored", "block_hashes", "parent_block_hash",
+                    "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                    then, only when set: "extra_keys", "group_idx",
+                    "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                    "locality", "ownership", "session_id"}
+    BlockRemoved = {"type": "BlockRemoved", "block_hashes", "medium",
+                    then, only when set: "group_idx", "locality", "ownership"}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+The field order and defaults below are vLLM's, so the bytes are the bytes a
+vLLM 0.32 publisher would send for the same event.
+
+The array form (`events_format = "array"`) is the positional layout vLLM used
+before the change. It is kept because llm-d's kv-cache indexer
+(`pkg/kvevents/engineadapter/vllm_adapter.go`, June 2026) still unpacks each
+event as a positional array and rejects a map. Its positions are the ones that
+adapter documents and reads:
+
+    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+     lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+     kv_cache_spec_sliding_window]
+    ["BlockRemoved", block_hashes, medium, group_idx]
+    ["AllBlocksCleared"]
+
+It stops there on purpose. Dynamo's decoder (`lib/kv-router/src/zmq_wire.rs`)
+reads the trailing elements of an array without their names, each as a group
+index or a spec kind, and drops an event whose spec kind it does not know: a
+"LOCAL" after a BlockRemoved's group_idx would be read as one, and the removal
+lost. Dynamo reads both forms, so it needs no switch of its own.
+
+What a kvd pool knows and what it fills in:
+
+- `block_hashes`: the keys, as today. 8-byte keys become the unsigned int
+  they were sent as when `events_int_hashes` is set; other keys stay bytes.
+- `group_idx`: taken from a 36-byte key, which is vLLM's offload key (a
+  32-byte block hash followed by the KV-cache group as 4 bytes, big-endian).
+  Keys from different groups go in separate events, in key order. Other key
+  lengths carry no group, so the field is left out.
+- `medium`: the index event's, "CPU". `block_size`: the pool's tokens per
+  block. `locality`: "LOCAL", since a pool is memory on the publishing host.
+  This is map form only.
+- Left at their defaults, because the daemon never sees them:
+  `parent_block_hash`, `token_ids` (empty), `lora_id`, `lora_name`,
+  `extra_keys`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`,
+  `ownership` (kvd is the tier itself, not a secondary tier of one) and
+  `session_id` (an engine session is not a vLLM request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from kvd_client.types import OffloadingEvent
+
+EventFormat = Literal["map", "array"]
+ExternalBlockHash = bytes | int
+LOCALITY = "LOCAL"
+OFFLOAD_KEY_BYTES = 36  # vLLM's offload key: the block hash, then 4 bytes of group
+_GROUP_BYTES = 4
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
+
+
+# omit_defaults never trims an array-like struct: a batch is [ts, events, None],
+# three elements, as vLLM's own are.
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+# -- vLLM 0.32: tagged maps -------------------------------------------------------
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, frozen=True, tag=True):
+    """Base of the map-form events; the tag is the class name, under "type"."""
+
+
+class BlockStored(KVCacheEvent, frozen=True):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent, frozen=True):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent, frozen=True):
+    """Every block of the pool is gone (start, reset, drop)."""
+
+
+class KVEventBatch(EventBatch, frozen=True):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# -- before vLLM 0.32: tagged positional arrays -----------------------------------
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, gc=False, frozen=True, tag=True):
+    """Base of the array-form events; every field is always sent, in order."""
+
+
+class ArrayBlockStored(ArrayEvent, frozen=True, tag="BlockStored"):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class ArrayBlockRemoved(ArrayEvent, frozen=True, tag="BlockRemoved"):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, frozen=True, tag="AllBlocksCleared"):
+    """Every block of the pool is gone (start, reset, drop)."""
+
+
+class ArrayEventBatch(EventBatch, frozen=True):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+
+
+WireEvent = (
+    BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+    | ArrayBlockStored
+    | ArrayBlockRemoved
+    | ArrayAllBlocksCleared
+)
+
+
+# -- index events to wire events --------------------------------------------------
+
+
+def block_hashes(keys: Sequence[bytes], as_int: bool) -> list[ExternalBlockHash]:
+    """Keys as event block hashes; with `as_int`, 8-byte keys become the unsigned
+    int they were sent as (what vLLM publishes by default), other keys stay bytes."""
+    if not as_int:
+        return list(keys)
+    return [int.from_bytes(k, "big") if len(k) == 8 else k for k in keys]
+
+
+def group_of(key: bytes) -> int | None:
+    """The KV-cache group of a vLLM offload key (36 bytes); None for other keys."""
+    if len(key) != OFFLOAD_KEY_BYTES:
+        return None
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")
+
+
+def group_runs(keys: Sequence[bytes]) -> list[tuple[int | None, list[bytes]]]:
+    """The keys cut into runs of one group each, order kept: one event names one group."""
+    runs: list[tuple[int | None, list[bytes]]] = []
+    for key in keys:
+        group = group_of(key)
+        if runs and runs[-1][0] == group:
+            runs[-1][1].append(key)
+        else:
+            runs.append((group, [key]))
+    return runs
+
+
+def map_events(event: OffloadingEvent, int_block_hashes: bool = False) -> list[WireEvent]:
+    """vLLM 0.32's events for one index event. The daemon never sees tokens, so
+    `token_ids` is empty and `parent_block_hash` is None."""
+    out: list[WireEvent] = []
+    for group, keys in group_runs(event.keys):
+        hashes = block_hashes(keys, int_block_hashes)
+        if event.removed:
+            out.append(BlockRemoved(hashes, event.medium, group_idx=group, locality=LOCALITY))
+        else:
+            out.append(
+                BlockStored(
+                    hashes,
+                    None,
+                    [],
+                    event.block_tokens,
+                    None,
+                    event.medium,
+                    None,
+                    group_idx=group,
+                    locality=LOCALITY,
+                )
+            )
+    return out
+
+
+def array_events(event: OffloadingEvent, int_block_hashes: bool = False) -> list[WireEvent]:
+    """The same events in the array form."""
+    out: list[WireEvent] = []
+    for group, keys in group_runs(event.keys):
+        hashes = block_hashes(keys, int_block_hashes)
+        if event.removed:
+            out.append(ArrayBlockRemoved(hashes, event.medium, group))
+        else:
+            out.append(
+                ArrayBlockStored(
+                    hashes, None, [], event.block_tokens, None, event.medium, None, group_idx=group
+                )
+            )
+    return out
+
+
+ToWire = Callable[[OffloadingEvent, bool], list[WireEvent]]
+TO_WIRE: dict[str, ToWire] = {"map": map_events, "array": array_events}
+ALL_CLEARED: dict[str, WireEvent] = {"map": AllBlocksCleared(), "array": ArrayAllBlocksCleared()}
+
+
+def to_wire(
+    event: OffloadingEvent, int_block_hashes: bool = False, event_format: EventFormat = "map"
+) -> list[WireEvent]:
+    """The wire events for one index event, in `event_format`."""
+    return TO_WIRE[event_format](event, int_block_hashes)
+
+
+# -- framing ------------------------------------------------------------------
+
+
+def format_topic(topic_format: str, hostname: str, pool: str) -> bytes:
+    return topic_format.format(hostname=hostname, pool=pool).encode()
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[list[bytes], int | None]:
+    """Splits `[identity, *envelope, body]` (identity already removed) into the
+    envelope to echo and the start sequence; None when the body is not 8 bytes."""
+    cut = 0
+    for i, frame in enumerate(frames):
+        if not frame:
+            cut = i + 1
+            break
+    envelope, body = list(frames[:cut]), frames[cut:]
+    if len(body) != 1 or len(body[0]) != 8:
+        return envelope, None
+    return envelope, int.from_bytes(body[0], "big")
