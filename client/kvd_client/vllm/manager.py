@@ -37,6 +37,19 @@ from kvd_client.scheduler import Scheduler
 log = logging.getLogger("kvd_client.vllm")
 
 
+class KvdLoadStoreSpec(CPULoadStoreSpec):
+    """kvd slot ids, and the generation of the pool's segment they are slots of.
+
+    A daemon restarted cold re-creates the pool; the workers keep the previous
+    segment mapped, so a load pinned before the restart still reads the bytes
+    it was promised, and a store meant for it never lands in the new one.
+    """
+
+    def __init__(self, slots: list[int], generation: int) -> None:
+        super().__init__(slots)
+        self.generation = generation
+
+
 @dataclass
 class _Request:
     """What one request's lookup found: its keys in prefix order and the pinned hits."""
@@ -45,6 +58,7 @@ class _Request:
     hits: int | None  # None: a key is still being stored, look again next step
     pinned: dict[bytes, int] = field(default_factory=dict)  # key -> slot
     index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys
+    generation: int = 0  # of the pool's segment the pinned slots belong to
 
 
 class KvdOffloadingManager(OffloadingManager):
@@ -85,6 +99,7 @@ class KvdOffloadingManager(OffloadingManager):
             if hits:
                 spec = self._scheduler.prepare_load(keys[:hits])
                 state.pinned = dict(zip(keys[:hits], spec.slots, strict=True))
+                state.generation = self._generation()
         except KvdError as exc:  # missing (evicted meanwhile), pin cap, daemon gone
             log.info("kvd lookup of request %s answered as a miss: %s", ctx.req_id, exc)
             state.hits = 0
@@ -101,7 +116,7 @@ class KvdOffloadingManager(OffloadingManager):
                 # vLLM loads only what lookup answered HIT, which is pinned.
                 raise KvdError(f"vLLM loads key {bytes(key).hex()} that kvd did not pin")
             slots.append(state.pinned[bytes(key)])
-        return CPULoadStoreSpec(slots)
+        return KvdLoadStoreSpec(slots, state.generation if state is not None else 0)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         state = self._requests.get(req_context.req_id)
@@ -114,6 +129,10 @@ class KvdOffloadingManager(OffloadingManager):
                 self._scheduler.touch([bytes(k) for k in keys])
             except KvdError as exc:
                 log.debug("kvd touch skipped: %s", exc)
+
+    def _generation(self) -> int:
+        attached = self._scheduler.attached if self._scheduler is not None else None
+        return attached.generation if attached is not None else 0
 
     def _unpin(self, state: _Request, keys: list[bytes]) -> None:
         if not keys or self._scheduler is None:
@@ -141,7 +160,7 @@ class KvdOffloadingManager(OffloadingManager):
             return None
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
-            store_spec=CPULoadStoreSpec(list(out.store_spec.slots)),
+            store_spec=KvdLoadStoreSpec(list(out.store_spec.slots), self._generation()),
             evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
         )
 

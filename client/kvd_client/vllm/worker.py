@@ -9,8 +9,11 @@ chunk's pages of every tensor, tensor after tensor:
 
 vLLM's own transfer channel names the copies (`submit_store` /
 `submit_load`, with device block ids and kvd slot ids that the scheduler
-side got from the daemon); the copies run at once (torch index copies on
-the CPU), and `get_finished` reports them. The daemon completes a store when
+side got from the daemon, and the generation of the segment they belong
+to); the copies run at once (torch index copies on the CPU), and
+`get_finished` reports them. The worker keeps the last few segments it
+mapped: after a cold daemon restart a load pinned in the old segment still
+reads it (nobody writes there any more), never the new one. The daemon completes a store when
 vLLM's scheduler side says every rank has finished (`complete_store`).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -36,6 +40,7 @@ from kvd_client.errors import BadRequest
 from kvd_client.worker import Mapping
 
 log = logging.getLogger("kvd_client.vllm")
+KEEP_SEGMENTS = 3  # segments (generations of the pool) a worker keeps mapped
 
 
 class KvdOffloadingWorker(OffloadingWorker):
@@ -66,8 +71,8 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._rank = rank
         self._layout = layout
         self._pool = pool
-        self._mapping: Mapping | None = None
-        self._host: list[torch.Tensor] = []
+        # generation -> (mapping, per-tensor host views), newest last
+        self._segments: OrderedDict[int, tuple[Mapping, list[torch.Tensor]]] = OrderedDict()
         self._results: list[TransferResult] = []
         self._conn = Connection(
             endpoint,
@@ -83,24 +88,21 @@ class KvdOffloadingWorker(OffloadingWorker):
     def _attach(self, conn: Connection) -> None:
         reply = conn.call(p.Attach, self._pool, self._layout, None)
         assert isinstance(reply, p.Attached)
-        current = self._mapping.attached if self._mapping else None
-        if current is not None and (current.shm_name, current.generation) == (
-            reply.shm_name,
-            reply.generation,
-        ):
+        if reply.generation in self._segments:
             return
-        self._host = []
-        if self._mapping is not None:
-            self._mapping.close()
         mapping = Mapping(reply, self._layout.replicated)
         g = mapping.geometry
         flat = torch.frombuffer(mapping.mm, dtype=torch.int8)
         base = g.slot_offset(0, self._rank)
-        self._host = [
+        host = [
             flat.as_strided((g.num_blocks, d.shape[1]), (g.row_bytes, 1), base + off)
             for d, off in zip(self._device, self._offsets, strict=True)
         ]
-        self._mapping = mapping
+        self._segments[reply.generation] = (mapping, host)
+        while len(self._segments) > KEEP_SEGMENTS:
+            _, (old, _views) = self._segments.popitem(last=False)
+            del _views
+            old.close()
 
     # -- OffloadingWorker -------------------------------------------------------
 
@@ -117,17 +119,24 @@ class KvdOffloadingWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(pool, CPULoadStoreSpec)
         start = time.perf_counter()
+        segment = self._segments.get(getattr(pool, "generation", -1))
+        if segment is None:  # not mapped (the daemon never answered): nothing to copy
+            log.warning(
+                "kvd job %d: segment %s is not mapped", job_id, getattr(pool, "generation", "?")
+            )
+            self._results.append(TransferResult(job_id, False, 0, 0.0))
+            return True
+        host_views = segment[1]
         dev_ids = torch.from_numpy(device.block_ids.astype("int64"))
         slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
         nbytes = 0
-        for dev, host in zip(self._device, self._host, strict=True):
+        for dev, host in zip(self._device, host_views, strict=True):
             if store:
                 host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids))
             else:
                 dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids))
             nbytes += len(dev_ids) * dev.shape[1]
-        ok = bool(self._host)
-        self._results.append(TransferResult(job_id, ok, nbytes, time.perf_counter() - start))
+        self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -138,11 +147,11 @@ class KvdOffloadingWorker(OffloadingWorker):
         return  # copies finish inside submit_*
 
     def shutdown(self) -> None:
-        self._host = []
         self._conn.close()
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        while self._segments:
+            _, (mapping, views) = self._segments.popitem()
+            del views
+            mapping.close()
 
     def info(self) -> dict[str, Any]:
         return {"pool": self._pool, "rank": self._rank}
