@@ -104,6 +104,9 @@ class Worker:
         self._submitted: set[int] = set()
         self._named: OrderedDict[int, None] = OrderedDict()  # named, not yet arrived
         self._arrived: dict[int, p.TransferJob] = {}  # arrived, not yet named
+        self._abandoned: OrderedDict[int, None] = OrderedDict()  # waited for in vain: never run
+        self._acked: OrderedDict[int, CopyResult] = OrderedDict()  # every answer given
+        self._unsent: list[CopyResult] = []  # answers the daemon did not get (reconnect)
         self._done: OrderedDict[int, CopyResult] = OrderedDict()
         self.bytes_copied = 0
         self._conn = Connection(
@@ -133,8 +136,14 @@ class Worker:
             reply.shm_name,
             reply.generation,
         ):
+            unsent, self._unsent = self._unsent, []
+            self._send(conn, unsent)  # what the daemon missed while it was away
             return
         # First attach, or the daemon re-created the pool: map the new segment.
+        # Job ids of the earlier segment mean nothing here any more.
+        for state in (self._named, self._arrived, self._abandoned, self._acked, self._done):
+            state.clear()
+        self._unsent.clear()
         self._close_backend()
         self._mapping = Mapping(reply, self.layout.replicated)
         self._backend = make_backend(
@@ -157,6 +166,11 @@ class Worker:
             self._named.popitem(last=False)
         self._launch()
 
+    def _remember(self, table: OrderedDict[int, Any], job_id: int, value: Any) -> None:
+        table[job_id] = value
+        if len(table) > _REMEMBER_DONE:
+            table.popitem(last=False)
+
     def poll(self, timeout_ms: int = 0) -> list[int]:
         """Receives jobs, launches the named ones that arrived, acknowledges finished
         ones; returns the ids acknowledged."""
@@ -168,7 +182,8 @@ class Worker:
         """Blocks until every job in `job_ids` has arrived and finished; returns ok per job.
 
         A job that does not arrive within `timeout_s` (the daemon failed it, or
-        the connection dropped) is reported as not ok.
+        the connection dropped) is reported as not ok, and is never run if it
+        arrives later: the engine has moved on from its device blocks.
         """
         wanted = set(job_ids)
         self.start(wanted)
@@ -184,6 +199,9 @@ class Worker:
                 break
             left = deadline - time.monotonic()
             if left <= 0:
+                for job_id in missing - self._submitted:  # running ones will answer
+                    self._named.pop(job_id, None)
+                    self._remember(self._abandoned, job_id, None)
                 break
             self._conn.receive(min(50, max(1, int(left * 1000))))
         return {j: (self._done.pop(j).ok if j in self._done else False) for j in wanted}
@@ -192,8 +210,12 @@ class Worker:
         pushed = self._conn.pushed
         while pushed:
             job = pushed.popleft()
-            if job.job_id not in self._done and job.job_id not in self._submitted:
-                self._arrived[job.job_id] = job  # a job pushed again after a reconnect: once
+            if job.job_id in self._acked:  # pushed again after a reconnect: answered already
+                self._send(self._conn, [self._acked[job.job_id]])
+            elif job.job_id in self._abandoned:
+                self._refuse(job, "the engine stopped waiting for it; not started")
+            elif job.job_id not in self._submitted:
+                self._arrived[job.job_id] = job
         now = time.monotonic()
         for job_id, job in list(self._arrived.items()):
             named = job_id in self._named
@@ -231,17 +253,22 @@ class Worker:
     def _finish(self, results: Sequence[CopyResult]) -> None:
         for r in results:
             self._submitted.discard(r.job_id)
-            self._done[r.job_id] = r
-            if len(self._done) > _REMEMBER_DONE:
-                self._done.popitem(last=False)
+            self._remember(self._done, r.job_id, r)
+            self._remember(self._acked, r.job_id, r)
             if r.ok:
                 self.bytes_copied += r.nbytes
+        self._send(self._conn, results)
+
+    def _send(self, conn: Connection, results: Sequence[CopyResult]) -> None:
+        """Acknowledges `results`; those the daemon could not get go again on reconnect."""
+        for i, r in enumerate(results):
             try:
-                self._conn.call(
-                    p.JobDone, r.job_id, self.rank, r.ok, r.nbytes, r.seconds, r.error or ""
-                )
+                conn.call(p.JobDone, r.job_id, self.rank, r.ok, r.nbytes, r.seconds, r.error or "")
             except Unavailable:
                 log.warning("could not acknowledge job %d: daemon unreachable", r.job_id)
+                self._unsent.extend(results[i:])
+                del self._unsent[: max(0, len(self._unsent) - _REMEMBER_DONE)]
+                return
             except KvdError as exc:
                 log.warning("job %d acknowledgement refused: %s", r.job_id, exc)
 
@@ -256,8 +283,10 @@ class Worker:
             self._mapping = None
 
     def close(self) -> None:
-        # Copies end first: the Goodbye tells the daemon that this rank no longer
-        # writes, so it may settle the jobs the rank still owed at once.
+        # Copies end first, and what finished is answered: the Goodbye tells the
+        # daemon that this rank no longer writes, so it settles what it still owed.
+        if self._backend is not None:
+            self._ack(self._backend.poll())
         self._close_backend()
         self._conn.close()
 

@@ -1,9 +1,10 @@
 """Runs in the daemon: pool administration, from `Attach` to `DropPool` (SPEC sections 3 and 11).
 
 `PoolAdmin` attaches sessions to pools (creating a pool on first use), drops
-and resets pools once their jobs are settled, answers `Pools` and
-`CheckInvariants`, and moves the pools' index events to the publisher's
-outbox. Only the operator token opens `DropPool`: engines share the group
+pools (failing their jobs; the segment goes away), resets them once nothing
+copies into them, answers `Pools` and `CheckInvariants`, and moves the
+pools' index events to the publisher's outbox. Only the operator token opens
+`DropPool`, `CheckInvariants` and another's `Reset`: engines share the group
 that opens the socket, but only the service user and root can read the
 token's file.
 """
@@ -114,10 +115,10 @@ class PoolAdmin:
         """
         pool = self.pools.get(req.pool)
         attached = s.pool == pool.name and s.generation == pool.generation
-        if not (attached or self._operator(req.token)):
+        if not ((attached and s.role == "scheduler") or self._operator(req.token)):
             raise KvdError(
                 f"Reset of pool {req.pool!r} needs the operator token in "
-                f"{self._admin_token_file}, or a session attached to that pool",
+                f"{self._admin_token_file}, or a scheduler attached to that pool",
                 ErrorCode.WRONG_ROLE,
             )
         if not pool.resetting:
@@ -128,8 +129,11 @@ class PoolAdmin:
         return p.Ok(req.req_id)
 
     @staticmethod
-    def while_resetting(pool: Pool, req: p.Request) -> p.Reply:
-        """A pool being reset: no hits, no new transfers (completions still drain)."""
+    def while_resetting(pool: Pool, req: p.Request) -> p.Reply | None:
+        """The answer of a pool being reset: no hits, no new transfers; None for the
+        completions, which drain it as usual."""
+        if not pool.resetting or isinstance(req, p.CompleteLoad | p.CompleteStore):
+            return None
         match req:
             case p.Lookup(req_id):
                 return p.LookupResult(req_id, 0)
@@ -165,6 +169,18 @@ class PoolAdmin:
             f"{pool.name}: {x}" for pool in self.pools for x in pool.index.check_invariants()
         ]
         return p.InvariantsResult(req.req_id, problems)
+
+    def drop_unbacked(self) -> None:
+        """Drops each pool whose pages could not all be allocated (the shared-memory
+        filesystem filled up under its prefault): its sessions re-attach to a new one."""
+        for pool in self.pools:
+            reason = pool.region.prefault_error
+            if reason is not None:
+                log.error("event=pool_unbacked pool=%s reason=%r", pool.name, reason)
+                self._transfers.fail_all(f"pool {pool.name} could not be backed", pool=pool.name)
+                self.collect_events()
+                self.pools.drop(pool.name)
+                self.event_outbox.append((pool.name, None))
 
     def release(self, pool: Pool, owner: int, until: float, now: float) -> None:
         """Rolls session `owner` back on `pool` now, or holds its slots until `until`."""

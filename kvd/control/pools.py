@@ -143,6 +143,9 @@ class PoolRegistry:
                     gid=self._gid,
                     prefault=self.config.prefault,
                     manifest=self._manifest,
+                    reserved=sum(
+                        p.geometry.size_bytes for p in self._pools.values() if p.region.prefaulting
+                    ),
                 )
                 break
             except FileExistsError:

@@ -10,17 +10,18 @@ server feeds frames in and sends what lands in `outbox`; clocks come in as
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
 from kvd.config import Config
 from kvd.control.admin import PoolAdmin
+from kvd.control.leases import Leases
 from kvd.control.pools import Pool, PoolRegistry
 from kvd.control.sessions import Session, SessionTable
 from kvd.control.stats import Stats
 from kvd.control.transfers import Transfers
 from kvd.errors import BadRequest, KvdError
-from kvd.version import __version__
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
 
@@ -73,6 +74,7 @@ class Service:
             self.outbox,
             self._encode,
             config.max_pending_results,
+            first_job_id=time.time_ns() // 1000,  # ids never repeat across restarts
         )
         self.admin = PoolAdmin(
             pools,
@@ -83,6 +85,7 @@ class Service:
             config.admin_token_file,
         )
         self.event_outbox = self.admin.event_outbox  # what the server publishes
+        self.leases = Leases(config, pools, self.sessions, self.transfers, self.admin)
         self.last_type: type = p.Error  # type of the request handled last (metrics)
 
     # -- entry points ----------------------------------------------------------
@@ -115,9 +118,10 @@ class Service:
                 "event=lease_expired session=%d role=%s engine=%s rank=%d pid=%d",
                 session.session_id, session.role, session.engine_id, session.rank, session.pid,
             )  # fmt: skip
-            self._end_session(session, now, certain=False)
+            self.leases.end(session, now, certain=False)
         self.transfers.expire(now)
         self.admin.release_due(now)
+        self.admin.drop_unbacked()
 
     def settle(self) -> bool:
         """One step of each pool's idle work (the server calls it once no request
@@ -149,7 +153,7 @@ class Service:
         self.statistics.requests[type(req)] += 1
         self.last_type = type(req)
         if isinstance(req, p.Hello):
-            return self._hello(identity, req, now)
+            return self.leases.hello(identity, req, now)
         session = self.sessions.by_identity(identity)
         if session is None:
             raise KvdError("send Hello first", ErrorCode.NOT_HELLO)
@@ -164,10 +168,7 @@ class Service:
         match req:
             case p.Attach():
                 reply, replaced = self.admin.attach(session, req)
-                if replaced is not None:
-                    if replaced.instance and replaced.instance == session.instance:
-                        self.transfers.rebind(replaced, session)  # a reconnect: still copying
-                    self._end_session(replaced, now, certain=False)
+                self.leases.attached(session, replaced, now)
                 return reply
             case p.Heartbeat():
                 if session.pool is not None:
@@ -193,14 +194,15 @@ class Service:
                 return self.admin.invariants(req)
             case p.Goodbye():
                 # A client says goodbye once its copies have stopped.
-                self._end_session(session, now, certain=True)
+                self.leases.end(session, now, certain=True)
                 return p.Ok(req.req_id)
         raise BadRequest(f"unexpected request {type(req).__name__}")
 
     def _pool_verb(self, s: Session, pool: Pool, req: p.Request, now: float) -> p.Reply:
         owned, sid = pool.owned, s.session_id
-        if pool.resetting and not isinstance(req, p.CompleteLoad | p.CompleteStore):
-            return self.admin.while_resetting(pool, req)
+        refused = self.admin.while_resetting(pool, req)
+        if refused is not None:
+            return refused
         match req:
             case p.Lookup(req_id, keys):
                 hits = owned.index.lookup(keys)
@@ -233,55 +235,6 @@ class Service:
             case p.Load(req_id, keys, device_ids):
                 return self.transfers.load(s, pool, req_id, keys, device_ids, now)
         raise BadRequest(f"unexpected request {type(req).__name__}")
-
-    # -- sessions --------------------------------------------------------------
-
-    def _hello(self, identity: bytes, req: p.Hello, now: float) -> p.Reply:
-        if req.protocol_version != p.PROTOCOL_VERSION:
-            raise KvdError(
-                f"protocol version {req.protocol_version} is not spoken here; "
-                f"this daemon speaks {p.PROTOCOL_VERSION}",
-                ErrorCode.UNSUPPORTED_VERSION,
-            )
-        if not 1 <= req.world_size <= 1024 or not 0 <= req.rank < req.world_size:
-            raise BadRequest(f"rank {req.rank} of world_size {req.world_size} is out of range")
-        if len(req.engine_id) > p.MAX_NAME_CHARS:
-            raise BadRequest(f"engine_id is longer than {p.MAX_NAME_CHARS} characters")
-        old = self.sessions.by_identity(identity)
-        if old is not None:  # the client itself starts over, as after a Goodbye
-            self._end_session(old, now, certain=True)
-        if len(self.sessions) >= self.config.max_sessions:
-            raise KvdError(
-                f"{len(self.sessions)} sessions open; the limit is {self.config.max_sessions}",
-                ErrorCode.TOO_LARGE,
-            )
-        s = self.sessions.open(
-            identity, req.role, req.engine_id, req.rank, req.world_size, req.pid, now, req.instance
-        )
-        log.info(
-            "event=session_opened session=%d role=%s engine=%s rank=%d pid=%d",
-            s.session_id, s.role, s.engine_id, s.rank, s.pid,
-        )  # fmt: skip
-        return p.Welcome(req.req_id, s.session_id, self.config.lease_ms, __version__)
-
-    def _end_session(self, s: Session, now: float, certain: bool) -> None:
-        """Rolls a session back: its stores fail, its pins drop, its worker rank goes.
-
-        `certain`: the client ended it (Goodbye, a new Hello), so nothing of its
-        copies still runs. Otherwise (its lease expired, another process took
-        its rank) its engine may still be copying: its slots, and those of the
-        jobs it owed, are held one more lease.
-        """
-        self.sessions.close(s)
-        self.transfers.forget_session(s.session_id)
-        pool = self.pools.find(s.pool) if s.pool is not None else None
-        if pool is not None and pool.generation == s.generation:
-            pool.sessions -= 1
-            held_until = now if certain else now + self.sessions.lease_s
-            self.admin.release(pool, s.session_id, held_until, now)
-        if s.role == "worker":
-            self.transfers.session_gone(s.session_id, certain, now, self.sessions.lease_s)
-        self.admin.finish_resets()
 
     # -- replies ---------------------------------------------------------------
 

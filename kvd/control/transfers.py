@@ -30,6 +30,7 @@ from kvd_client.types import JobKind
 
 log = logging.getLogger("kvd.control.transfers")
 Outbox = list[tuple[bytes, bytes]]
+MAX_COUNTER = (1 << 63) - 1
 
 
 def check_lengths(keys: Sequence[bytes], ids: Sequence[int]) -> None:
@@ -52,8 +53,9 @@ class Transfers:
         outbox: Outbox,
         encode: Callable[[p.Reply], bytes],
         max_results: int = 65_536,
+        first_job_id: int = 1,
     ) -> None:
-        self.jobs = JobTable(timeout_s)
+        self.jobs = JobTable(timeout_s, first_job_id)
         # Results a scheduler has not collected with `Finished`; past this the
         # oldest are dropped and counted (`results_dropped`).
         self._max_results = max_results
@@ -141,7 +143,7 @@ class Transfers:
         If that fails, the slots prepared for the job are given back.
         """
         try:
-            deadline = now + self.jobs.timeout_s
+            deadline = self.jobs.deadline_of(now)
             frames = [
                 (worker.identity, self._encode(p.TransferJob(
                     0, job_id, kind, pool.name, pool.generation, device_ids, slots,
@@ -183,8 +185,9 @@ class Transfers:
         )
         if outcome is not None:
             self._apply([outcome])
-            if req.ok:
-                self._counters[f"bytes_{outcome.job.kind}d"] += max(0, req.nbytes)
+            if req.ok:  # saturates: a counter must stay encodable
+                name = f"bytes_{outcome.job.kind}d"
+                self._counters[name] = min(self._counters[name] + req.nbytes, MAX_COUNTER)
         return p.Ok(req.req_id)
 
     def expire(self, now: float) -> None:
@@ -197,11 +200,11 @@ class Transfers:
         """A worker session ended: the jobs it owes fail (`JobTable.session_gone`)."""
         self._apply(self.jobs.session_gone(session_id, stopped, now, grace_s))
 
-    def rebind(self, old: Session, new: Session) -> None:
+    def rebind(self, old: int, new: Session) -> None:
         """`new` is a reconnect of the worker process behind `old`: it inherits its jobs,
         and gets each one pushed again (a push to the old socket may never have
         arrived; the worker ignores a job it already has)."""
-        moved = self.jobs.rebind(old.session_id, new.session_id)
+        moved = self.jobs.rebind(old, new.session_id)
         for job, rank in moved:
             msg = p.TransferJob(
                 0, job.job_id, job.kind, job.pool, job.generation, job.device_block_ids,
@@ -213,7 +216,7 @@ class Transfers:
                 "event=jobs_rebound engine=%s rank=%d old_session=%d session=%d jobs=%d",
                 new.engine_id,
                 new.rank,
-                old.session_id,
+                old,
                 new.session_id,
                 len(moved),
             )

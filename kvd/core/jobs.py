@@ -97,16 +97,23 @@ class Outcome:
 
 
 class JobTable:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, first_id: int = 1) -> None:
+        """`first_id`: where job ids start; the daemon starts from its start time in
+        microseconds, so ids never repeat across restarts (a worker may remember
+        ids of the earlier run)."""
         self.timeout_s = timeout_s
         self._jobs: dict[int, Job] = {}
-        self._next_id = 1
+        self._next_id = first_id
 
     def __len__(self) -> int:
         return len(self._jobs)
 
     def get(self, job_id: int) -> Job | None:
         return self._jobs.get(job_id)
+
+    def deadline_of(self, now: float) -> float:
+        """The deadline of a job created at `now` (its hard deadline is one timeout later)."""
+        return now + self.timeout_s
 
     def new_id(self) -> int:
         """Reserves the id of the next job (its owner token is needed before `create`)."""
@@ -144,8 +151,8 @@ class JobTable:
             device_block_ids=device_block_ids,
             pushed_to=dict(pushed_to),
             writers=writers,
-            deadline=now + self.timeout_s,
-            hard_deadline=now + 2 * self.timeout_s,
+            deadline=self.deadline_of(now),
+            hard_deadline=self.deadline_of(now) + self.timeout_s,
         )
         self._jobs[job.job_id] = job
         return job
@@ -198,7 +205,7 @@ class JobTable:
                 job.gone.update(owed)
             else:
                 for rank in owed:
-                    job.gone_at[rank] = min(now + grace_s, job.hard_deadline)
+                    job.gone_at[rank] = now + grace_s  # the hard deadline still applies
             if not job.failure:
                 job.failure = f"rank {owed[0]} went away"
             outcomes.append(self._advance(job))

@@ -86,12 +86,22 @@ class SharedRegion:
     """A created segment. Owns the name (unlinked on close) and a prefault mapping."""
 
     def __init__(
-        self, name: str, size: int, *, gid: int | None, prefault: bool, manifest: Manifest
+        self,
+        name: str,
+        size: int,
+        *,
+        gid: int | None,
+        prefault: bool,
+        manifest: Manifest,
+        reserved: int = 0,
     ) -> None:
+        """`reserved`: bytes other segments are still being prefaulted with, so
+        their pages count as taken when this one checks for room."""
         self.name = name
         self.size = size
         self._manifest = manifest
         self._prefaulter: threading.Thread | None = None
+        self.prefault_error: str | None = None  # set by the prefault thread when it failed
         mode = 0o660 if gid is not None else 0o600
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
@@ -104,7 +114,7 @@ class SharedRegion:
             if gid is not None:
                 os.fchown(shm.fd, -1, gid)
             if prefault:
-                self._check_room(shm.fd, size)
+                self._check_room(shm.fd, size + reserved)
                 self._prefaulter = threading.Thread(
                     target=self._prefault,
                     args=(os.dup(shm.fd), size),
@@ -133,8 +143,9 @@ class SharedRegion:
         start = time.monotonic()
         try:
             os.posix_fallocate(fd, 0, size)
-        except OSError as exc:  # the pages are then allocated on first touch
+        except OSError as exc:  # the daemon drops the pool (`PoolAdmin.drop_unbacked`)
             log.warning("event=prefault_failed shm=%s reason=%s", self.name, exc)
+            self.prefault_error = exc.strerror or str(exc)
         else:
             log.info(
                 "event=prefaulted shm=%s bytes=%d seconds=%.3f",

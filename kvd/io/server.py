@@ -102,6 +102,7 @@ class Server:
             topic_format=cfg.events_topic,
             gid=gid,
             int_block_hashes=cfg.events_int_hashes,
+            event_format=cfg.events_format,
         )
         for pool in self.pools:  # every pool is announced cleared at start
             self.publisher.all_cleared(pool.name)

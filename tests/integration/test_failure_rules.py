@@ -472,5 +472,143 @@ def test_a_store_whose_push_fails_gives_its_slots_back(tmp_path: object) -> None
         info = pools.get("fr-p").info()
         assert (info.blocks_in_flight, info.blocks_free) == (0, info.num_blocks)
         assert len(service.transfers) == 0
+        # A load whose push fails gives its pins back the same way.
+        service.transfers._encode = p.encoder.encode
+        service.handle(b"s", p.encoder.encode(p.PrepareStore(4, [key(2)])), 0.0)
+        service.handle(b"s", p.encoder.encode(p.CompleteStore(5, [key(2)], True)), 0.0)
+        service.outbox.clear()
+        service.transfers._encode = refuse
+        service.handle(b"s", p.encoder.encode(p.Load(6, [key(2)], [0])), 0.0)
+        ((ident, frame),) = service.outbox
+        reply = p.reply_decoder.decode(frame)
+        assert isinstance(reply, p.Error) and reply.code == "INTERNAL"
+        assert pools.get("fr-p").info().blocks_pinned == 0
     finally:
         pools.close()
+
+
+# -- what the review of the fixes found -------------------------------------------
+
+
+def test_job_ids_do_not_repeat_across_a_daemon_restart(daemon: DaemonProcess) -> None:
+    w = Wire(daemon)
+    try:
+        sched = w.attached("scheduler", "fr-id", TP1, "E")
+        w.attached("worker", "fr-id", TP1, "E")
+        first = store(sched, [key(1)])
+    finally:
+        w.close()
+    daemon.kill()
+    daemon.start()
+    w = Wire(daemon)
+    try:
+        sched = w.attached("scheduler", "fr-id", TP1, "E")
+        w.attached("worker", "fr-id", TP1, "E")
+        assert store(sched, [key(2)]) > first  # a worker may still remember `first`
+    finally:
+        w.close()
+
+
+def test_a_job_the_engine_stopped_waiting_for_is_never_run(daemon: DaemonProcess) -> None:
+    layout = Layout("fr-abandon@1", "bfloat16", 16, 1, False, SLOT)
+    kv = _caches()
+    with (
+        Scheduler("fr-ab", layout, engine_id="E", endpoint=daemon.endpoint,
+                  capacity_bytes=CAPACITY) as s,
+        Worker(0, 1, kv, pool="fr-ab", layout=layout, engine_id="E",
+               endpoint=daemon.endpoint) as w,
+    ):  # fmt: skip
+        ticket = s.store([key(7)], [0])
+        assert ticket is not None and ticket.job_id is not None
+        # The push is still in the worker's socket: the engine gives up at once.
+        assert w.wait([ticket.job_id], timeout_s=0) == {ticket.job_id: False}
+        kv.zero_()  # and reuses its device blocks
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2:
+            w.poll(50)  # the job arrives now, and is refused
+        assert w.bytes_copied == 0
+        assert s.lookup([key(7)]) == 0
+        failed = [r for r in s.finished() if r.job_id == ticket.job_id]
+        assert failed and not failed[0].ok
+
+
+def test_a_worker_back_after_its_lease_ran_out_takes_its_jobs_over(
+    wire: Wire, daemon: DaemonProcess
+) -> None:
+    sched = wire.attached("scheduler", "fr-back", TP1, "E")
+    first = wire.attached("worker", "fr-back", TP1, "E", instance="proc-1")
+    job_id = store(sched, [key(8)])
+    job = first.receive_job()
+    base = wire.stats().lease_expirations
+    t0 = time.monotonic()
+    while wire.stats().lease_expirations == base:  # the worker stalls past its lease
+        assert time.monotonic() - t0 < 3 * daemon.lease_s
+        sched.ask(p.Heartbeat)
+        time.sleep(0.05)
+    back = wire.attached("worker", "fr-back", TP1, "E", instance="proc-1")
+    assert back.receive_job() == job  # pushed again to the process's new session
+    assert done(back, job, 0) == p.Ok(back._rid)
+    (result,) = [r for r in results(sched) if r.job_id == job_id]
+    assert not result.ok  # it failed when the lease ran out ...
+    assert sched.ask(p.Lookup, [key(8)]) == p.LookupResult(sched._rid, 0)
+    assert wire.pool("fr-back").blocks_in_flight == 0  # ... and settled at its answer
+
+
+def test_an_answer_lost_while_the_daemon_stalls_is_sent_again(daemon: DaemonProcess) -> None:
+    layout = Layout("fr-resend@1", "bfloat16", 16, 1, False, SLOT)
+    with (
+        Scheduler("fr-rs", layout, engine_id="E", endpoint=daemon.endpoint,
+                  capacity_bytes=CAPACITY, timeout_ms=10_000) as s,
+        Worker(0, 1, _caches(), pool="fr-rs", layout=layout, engine_id="E",
+               endpoint=daemon.endpoint, timeout_ms=300) as w,
+    ):  # fmt: skip
+        ticket = s.store([key(9)], [0])
+        assert ticket is not None and ticket.job_id is not None
+        w.poll(200)  # the push is in
+        assert daemon.proc is not None
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            w.start([ticket.job_id])  # copies
+            w.poll(0)  # and acknowledges: its JobDone times out
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert w.bytes_copied > 0
+        t0 = time.monotonic()
+        while s.lookup([key(9)]) != 1:  # the reconnect sends the answer again
+            assert time.monotonic() - t0 < 10, "the answer was never sent again"
+            w.poll(50)
+        ok = [r for r in s.finished() if r.job_id == ticket.job_id]
+        assert ok and ok[0].ok
+
+
+DEAD_TICKER = """
+import sys
+from kvd.config import load_config
+from kvd.control.service import Service
+from kvd.io import server
+from kvd.logs import setup_logging
+
+def boom(self, now):
+    raise RuntimeError("the ticker dies")
+
+Service.tick = boom
+config = load_config(None, {"runtime_dir": sys.argv[1], "metrics_addr": "none", "lease_ms": 200})
+setup_logging("info")
+sys.exit(server.run(config))
+"""
+
+
+def test_a_dead_loop_task_stops_the_daemon_with_exit_1(tmp_path: object) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", DEAD_TICKER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "event=loop_task_died task=ticker" in out.stderr
+    assert "event=shutdown_complete" in out.stderr  # a clean shutdown, not a crash

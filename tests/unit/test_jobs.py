@@ -117,16 +117,6 @@ def test_a_session_gone_without_stopping_fails_now_and_settles_a_grace_later() -
     assert o.settle and not o.report and t.get(job.job_id) is None
 
 
-def test_the_grace_of_a_gone_session_ends_at_the_hard_deadline() -> None:
-    t = JobTable(timeout_s=1.0)
-    job = make(t, now=10.0)
-    t.session_gone(session(0), stopped=False, now=11.8, grace_s=5.0)
-    t.session_gone(session(1), stopped=False, now=11.8, grace_s=5.0)
-    assert t.expire(11.9) == []
-    (o,) = t.expire(12.0)
-    assert o.settle and t.get(job.job_id) is None
-
-
 def test_a_reconnect_inherits_the_jobs_of_its_process() -> None:
     t = JobTable(timeout_s=1.0)
     job = make(t)

@@ -64,7 +64,7 @@ def _answers(endpoint: str) -> bool:
 
 
 def _drop_pools(endpoint: str, pools: Sequence[str]) -> None:
-    """Drops the demo's pools; without the operator token, empties them instead."""
+    """Drops the demo's pools (with the operator token, where this user may read it)."""
     runtime = runtime_dir_of(endpoint)
     token = read_admin_token(runtime) if runtime is not None else ""
     conn = Connection(endpoint, role="admin", keeper=False, timeout_ms=2000)
@@ -78,12 +78,8 @@ def _drop_pools(endpoint: str, pools: Sequence[str]) -> None:
                     continue  # nothing to drop
                 if exc.code != ErrorCode.WRONG_ROLE:
                     raise
-                print(f"kvd demo: cannot drop pool {pool} ({exc}); emptying it instead")
-                try:
-                    conn.call(p.Reset, pool)
-                except KvdError as reset_exc:
-                    if reset_exc.code != ErrorCode.NO_SUCH_POOL:
-                        raise
+                # Emptying another's pool needs the same token: it stays as it is.
+                print(f"kvd demo: cannot drop pool {pool} ({exc}); it keeps its blocks")
     except KvdError as exc:
         print(f"kvd demo: could not drop pools {list(pools)}: {exc}", file=sys.stderr)
     finally:
