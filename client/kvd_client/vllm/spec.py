@@ -82,5 +82,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 engine_id=self.config.engine_id,
                 rank=self.config.parallel.rank,
                 blocks_per_chunk=self.blocks_per_chunk,
+                capacity_bytes=self.choice.capacity_bytes,
             )
         return self._worker

@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
-from kvd_client.errors import BadRequest
+from kvd_client.errors import BadRequest, KvdError
 from kvd_client.worker import Mapping
 
 log = logging.getLogger("kvd_client.vllm")
@@ -54,6 +54,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         engine_id: str,
         rank: int,
         blocks_per_chunk: int,
+        capacity_bytes: int | None = None,
     ) -> None:
         if blocks_per_chunk != 1:
             raise BadRequest(
@@ -71,6 +72,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._rank = rank
         self._layout = layout
         self._pool = pool
+        self._capacity = capacity_bytes  # a worker may attach first and create the pool
         # generation -> (mapping, per-tensor host views), newest last
         self._segments: OrderedDict[int, tuple[Mapping, list[torch.Tensor]]] = OrderedDict()
         self._results: list[TransferResult] = []
@@ -83,10 +85,13 @@ class KvdOffloadingWorker(OffloadingWorker):
             timeout_ms=2000,
             on_connect=self._attach,
         )
-        self._conn.start()
+        try:
+            self._conn.start()
+        except KvdError as exc:  # the scheduler side cannot attach either: no jobs come
+            log.warning("kvd offloading off for worker rank %d: pool %r: %s", rank, pool, exc)
 
     def _attach(self, conn: Connection) -> None:
-        reply = conn.call(p.Attach, self._pool, self._layout, None)
+        reply = conn.call(p.Attach, self._pool, self._layout, self._capacity)
         assert isinstance(reply, p.Attached)
         if reply.generation in self._segments:
             return
