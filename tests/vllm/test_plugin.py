@@ -218,3 +218,59 @@ def test_tensor_parallel_two_ranks_share_one_sharded_pool(
             conn.close()
     finally:
         engine.stop()
+
+
+def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model: str) -> None:
+    """`python -m vllm.entrypoints.openai.api_server` as the README says, one completion."""
+    import socket
+    import urllib.request
+
+    from tests.vllm.engine_child import kv_transfer_config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--load-format", "dummy", "--skip-tokenizer-init", "--gpu-memory-utilization", "0.1",
+            "--max-model-len", "2048", "--block-size", "32", "--enforce-eager",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--kv-transfer-config", json.dumps(kv_transfer_config({"kvd_capacity_bytes": 64 << 20})),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "KVD_ENDPOINT": daemon.endpoint},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, "the server exited"
+            assert time.monotonic() < deadline, "the server never became healthy"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(1)
+        before = counters(daemon).get("blocks_stored", 0)
+        body = json.dumps({"model": model, "prompt": PROMPTS[0], "max_tokens": 4,
+                           "temperature": 0}).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer = json.loads(reply.read())
+        assert answer["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 10
+        while counters(daemon).get("blocks_stored", 0) == before:  # stores land after the step
+            assert time.monotonic() < deadline, "nothing reached kvd"
+            time.sleep(0.2)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
