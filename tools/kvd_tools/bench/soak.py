@@ -4,7 +4,10 @@ One row (SPEC section 10): `seconds`, `ops`, `faults`, `violations`,
 `rss_start_mb`, `rss_end_mb`, then `blocks_verified` (engine loads checked
 byte for byte), `drain_s` (from the last client gone to 0 pins, 0 blocks in
 flight, 0 jobs) and `hot_path_raises` (client calls that raised where SPEC
-section 7 promises 0 hits or None). See `kvd_tools.soak` for what runs.
+section 7 promises 0 hits or None); then `faults_by_kind`, and `reached`:
+how often the clients and the daemon's log saw each fault's path (jobs
+rebound to a reconnected session, jobs refused unstarted, leaves during a
+job, store timeouts, lease expirations). See `kvd_tools.soak` for what runs.
 
 This module imports nothing heavy at import time: the registry may import
 `add_arguments` from here.
@@ -52,6 +55,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     row["rss_limit_mb"] = round(result.rss_limit_mb, 1)
     row["lease_expirations"] = result.lease_expirations
     row["faults_by_kind"] = ",".join(f"{k}={n}" for k, n in sorted(result.faults_by_kind.items()))
+    t, ev = result.totals, result.evidence
+    reached = {
+        "jobs_rebound": ev.get("jobs_rebound", 0),
+        "reconnects_before_read": t["reconnects_before_read"],
+        "leaves_during_job": t["leaves_during_job"],
+        "late_refusals": t["late_refusals"],
+        "engine_store_timeouts": t["engine_store_timeouts"],
+        "late_store_answers": t["late_store_answers"],
+        "acked_but_failed": t["acked_but_failed"],
+        "session_held": ev.get("session_held", 0),
+        "worker_replaced": ev.get("worker_replaced", 0),
+    }
+    failed = {k: n for k, n in ev.items() if k.startswith("failed_")}
+    row["reached"] = ",".join(f"{k}={n}" for k, n in {**reached, **failed}.items())
     if result.findings:
         row["findings"] = " | ".join(result.findings[:3])
     return [row]
@@ -66,6 +83,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         f"Daemon RSS after warm-up {row['rss_start_mb']} MiB, at the end {row['rss_end_mb']} MiB "
         f"({grew:+.1f} MiB; limit {row['rss_limit_mb']} MiB).",
         f"Drained (0 pinned, 0 in flight, 0 jobs) {row['drain_s']} s after the last client left.",
+        f"{row['blocks_verified']} loaded blocks verified byte for byte; "
+        f"{row['lease_expirations']} lease expirations.",
+        f"Fault paths reached: {row['reached']}.",
     ]
     if row.get("findings"):
         lines.append(f"First findings: {row['findings']}")

@@ -12,7 +12,16 @@ Every block's bytes are a function of its key and the rank holding the shard,
 so a load that returns anything else (a torn or reused slot, another rank's
 shard, a stale generation) is a violation, counted in the worker that saw it.
 A load counts only when the rank's own copy succeeded; the daemon reporting
-ok for a job a rank failed is a violation too.
+ok for a job a rank failed is a violation too. So is the daemon failing a job
+because a rank "went away" when every rank acknowledged it and no fault that
+ends sessions (a daemon stall or restart, `Tally.excused`) was near, unless
+that rank's lease had run out (a starved host; the harness asks the daemon's
+log, `Tally.note_went_away`): a reconnect of the rank, or the engine's
+workers leaving its other pool, must not end this pool's jobs. The job in
+flight is published (`Tally.engine_job`) so that the twin can leave while
+one runs. After a store of the timeout scheduler timed out, every other
+step takes its keys (`Tally.suspect`), so that any hit on them is loaded
+and checked.
 
 The engine process starts its ranks and starts one again when it dies (the
 fault injector SIGKILLs them); a rank whose engine died exits by itself.
@@ -44,6 +53,7 @@ from kvd_tools.soak.workload import (
     engine_key,
     key_number,
     layout,
+    timeout_key,
 )
 
 READY_S = 120.0  # a rank imports torch and attaches; slow on a loaded host
@@ -149,12 +159,17 @@ class Engine:
         s, add = self.sched, self.tally.add
         first = self.rng.randrange(ENGINE_KEYS)
         keys = [engine_key(first + i) for i in range(self.rng.randint(1, MAX_ENGINE_CHAIN))]
+        suspect = self.tally.suspect()
+        if suspect is not None and self.rng.random() < 0.5:
+            keys = [timeout_key(suspect[0] + i) for i in range(suspect[1])]  # a timed-out store's
+        else:
+            suspect = None
         add(self.slot, "ops")
         self.call = "lookup"
         hits = s.lookup(keys)
         if hits is None:
             return  # a store of one of them is in flight: retry later
-        job = None
+        job, started = None, self._session()
         if hits:
             add(self.slot, "ops")
             self.call = "load"
@@ -173,7 +188,9 @@ class Engine:
         if oks is None:
             return
         if job is not None:
-            self._check(job, oks, "load")
+            self._check(job, oks, "load", started)
+            if all(oks) and suspect is not None:
+                add(self.slot, "suspect_blocks_loaded", hits)
             if all(oks):
                 add(self.slot, "ops")
                 self.call = "touch"
@@ -182,23 +199,35 @@ class Engine:
             return
         add(self.slot, "ops")
         self.call = "store"
+        started = self._session()
         try:
             ticket = s.store(keys[hits:], list(range(hits, len(keys))))
         except KvdError as exc:
             if exc.code != ErrorCode.WORKERS_MISSING:
                 raise
             return
+        if ticket is None and started is not None and not s.connected:
+            # No reply in time (a daemon stall): the daemon may still take the store,
+            # but this engine never names its job, and overwrites the blocks next step.
+            add(self.slot, "engine_store_timeouts")
         if ticket is None or ticket.job_id is None:
             return
         oks = self._ask(("store", ticket.job_id))
         if oks is not None:
-            self._check(ticket.job_id, oks, "store")
+            self._check(ticket.job_id, oks, "store", started)
             if all(oks):
                 add(self.slot, "stores")
 
     def _ask(self, msg: tuple[Any, ...]) -> list[bool] | None:
         """Sends one step to every rank; their ok flags, or None when a rank died (restarted)."""
         self.seq += 1
+        self.tally.set_engine_job(msg[1] or 0)
+        try:
+            return self._ask_ranks(msg)
+        finally:
+            self.tally.set_engine_job(0)
+
+    def _ask_ranks(self, msg: tuple[Any, ...]) -> list[bool] | None:
         sent = []
         for r in self.ranks:
             try:
@@ -218,18 +247,35 @@ class Engine:
             return None
         return [bool(reply[2]) for reply in replies if reply is not None]
 
-    def _check(self, job: int, oks: list[bool], kind: str) -> None:
+    def _check(self, job: int, oks: list[bool], kind: str, started: tuple[int, int] | None) -> None:
         self.tally.add(self.slot, "ops")
         self.call = "finished"
         for r in self.sched.finished():
             self.results[r.job_id] = r
-        result = self.results.pop(job, None)
         if not all(oks):
             self.tally.add(self.slot, "failed_jobs")
+        if started is None or self._session() != started:
+            # Another session (the daemon restarted: job ids start again) answers
+            # for no job of the old one; its results are not this job's.
+            self.results.clear()
+            return
+        result = self.results.pop(job, None)
+        if not all(oks):
             if result is not None and result.ok:
                 self._violation(f"daemon reported {kind} job {job} ok; rank oks {oks}")
+        elif result is not None and not result.ok:
+            self.tally.add(self.slot, "acked_but_failed")
+            if "went away" in result.detail and not self.tally.excused():
+                self.tally.note_went_away(job, f"{kind} job failed ({result.detail!r})")
         if len(self.results) > 1000:
             self.results.clear()
+
+    def _session(self) -> tuple[int, int] | None:
+        """The scheduler's session and pool generation now; None while disconnected."""
+        s = self.sched
+        if not s.connected or s.attached is None or s.session_id is None:
+            return None
+        return (s.session_id, s.attached.generation)
 
     def _ranks_up(self) -> bool:
         """Starts dead ranks again and waits until each has said ready."""

@@ -1,12 +1,13 @@
 """Runs in the operator's shell (`kvd bench soak`) and in tests: a soak run with faults.
 
-    harness ── starts ──> kvd daemon (child; SIGKILLed and started again once)
-       │                  4 scheduler actors (kvd_tools.soak.actors)
-       │                  1 TP=2 engine: scheduler + 2 ranks (kvd_tools.soak.engine, .rank)
-       ├── FaultInjector: SIGKILLs actors, the engine, its ranks; restarts
-       ├── every check_every_s: CheckInvariants, daemon RSS (VmRSS)
+    harness ── starts ──> kvd daemon (child; SIGKILLed and started again once,
+       │                  SIGSTOPped for 1 to 3 s now and then)
+       │                  the fleet's clients (kvd_tools.soak.fleet)
+       ├── FaultInjector: kills, stalls, reconnects, a pool's workers leaving
+       ├── every check_every_s: CheckInvariants (not while the daemon is stopped)
        └── at the end: stop every client, wait for leases and jobs to run
-           out, then 0 blocks pinned, 0 in flight, 0 jobs, invariants hold
+           out, then 0 blocks pinned, 0 in flight, 0 jobs, invariants hold;
+           count in the daemon's log the failure paths the faults reached
 
 RSS is read from the restarted daemon: its warm-up ends at `warmup` (a
 fraction of the run, after the restart at `restart_at`); `rss_start_mb` is
@@ -21,28 +22,26 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from kvd_client.errors import KvdError
 from kvd_tools.launcher import TEST_FLAGS, DaemonProcess
-from kvd_tools.soak.actors import actor_main
-from kvd_tools.soak.engine import engine_main
-from kvd_tools.soak.faults import FaultInjector
-from kvd_tools.soak.probes import (
-    daemon_stats,
-    drained,
-    invariant_problems,
-    is_spawned_child,
-    parent_of,
-    rss_mb,
-)
+from kvd_tools.soak.evidence import daemon_evidence, went_away_cause
+from kvd_tools.soak.faults import Fault, FaultInjector
+from kvd_tools.soak.fleet import Fleet
+from kvd_tools.soak.probes import daemon_stats, drained, invariant_problems, rss_mb
 from kvd_tools.soak.tally import Tally
 from kvd_tools.soak.workload import WORLD_SIZE
+
+# Faults a client fires, and the tally field that counts each time it did.
+FIRED_BY_CLIENTS = {
+    Fault.RECONNECT_WORKER: "worker_reconnects",
+    Fault.LEAVE_SECOND_POOL: "second_pool_leaves",
+    Fault.TIMEOUT_STORE: "store_timeouts",
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,7 @@ class SoakResult:
     lease_expirations: int
     faults_by_kind: dict[str, int]
     totals: dict[str, int]
+    evidence: dict[str, int] = field(default_factory=dict)  # kvd_tools.soak.evidence
     findings: list[str] = field(default_factory=list)
     run_dir: str = ""
 
@@ -99,14 +99,12 @@ def run_soak(config: SoakConfig) -> SoakResult:
 class Soak:
     def __init__(self, cfg: SoakConfig) -> None:
         self.cfg = cfg
-        self.num_actors = cfg.num_actors
-        self.world_size = WORLD_SIZE
         self.rng = random.Random(cfg.seed)
         self.run_dir = Path(tempfile.mkdtemp(prefix="kvd-soak-"))
-        self.ctx = mp.get_context("spawn")
-        self.engine_slot = cfg.num_actors
-        self.me = cfg.num_actors + 1 + WORLD_SIZE
-        self.tally = Tally(self.ctx, self.me + 1, self.run_dir, WORLD_SIZE)
+        ctx = mp.get_context("spawn")
+        num_slots = Fleet.num_slots(cfg.num_actors)
+        self.me = num_slots - 1
+        self.tally = Tally(ctx, num_slots, self.run_dir, WORLD_SIZE)
         flags = {
             **TEST_FLAGS,
             "lease-ms": str(cfg.lease_ms),
@@ -116,72 +114,26 @@ class Soak:
             "max-total-bytes": "256MiB",
         }
         self.daemon = DaemonProcess(base=flags)
-        self.actors: list[BaseProcess | None] = [None] * cfg.num_actors
-        self.engine: BaseProcess | None = None
-        self.killed: set[int] = set()  # pids this harness SIGKILLed on purpose
-        self.wait_s = 2 * cfg.job_timeout_ms / 1000 + 2
-
-    # -- Targets (for the fault injector) --------------------------------------
-
-    def start_actor(self, index: int) -> None:
-        args = (self.tally, index, self.daemon.endpoint, self.rng.randrange(1 << 32))
-        proc = self.ctx.Process(target=actor_main, args=args, name=f"actor{index}")
-        proc.start()
-        self.actors[index] = proc
-
-    def start_engine(self) -> None:
-        args = (self.tally, self.engine_slot, self.daemon.endpoint, self.rng.randrange(1 << 32))
-        self.engine = self.ctx.Process(target=engine_main, args=(*args, self.wait_s), name="engine")
-        self.engine.start()
-
-    def _kill(self, proc: BaseProcess | None) -> bool:
-        if proc is None or not proc.is_alive() or proc.pid is None:
-            return False
-        self.killed.add(proc.pid)
-        proc.kill()
-        proc.join(timeout=10)
-        return True
-
-    def kill_actor(self, index: int) -> bool:
-        if not self._kill(self.actors[index]):
-            return False
-        self.actors[index] = None
-        return True
-
-    def kill_engine(self) -> bool:
-        if not self._kill(self.engine):
-            return False
-        self.engine = None  # its ranks see their engine gone and exit
-        return True
-
-    def kill_worker(self, rank: int) -> bool:
-        pid = self.tally.worker_pid(rank)
-        engine = self.engine
-        if engine is None or pid <= 0 or parent_of(pid) != engine.pid:
-            return False
-        os.kill(pid, signal.SIGKILL)
-        return True
-
-    def restart_daemon(self) -> None:
-        self.daemon.kill(signal.SIGKILL)
-        self.daemon.start()
-
-    # -- the run ---------------------------------------------------------------
+        wait_s = 2 * cfg.job_timeout_ms / 1000 + 2
+        # After a stall or the restart, leases lapse and jobs time out for this long.
+        excuse_s = 2 * cfg.lease_ms / 1000 + 2 * cfg.job_timeout_ms / 1000 + 2
+        self.fleet = Fleet(ctx, self.tally, self.daemon, self.rng, cfg.num_actors, wait_s, excuse_s)
 
     def run(self) -> SoakResult:
         cfg = self.cfg
-        injector = FaultInjector(self.rng, cfg.seconds, cfg.restart_at * cfg.seconds)
+        injector = FaultInjector(
+            self.rng, cfg.seconds, cfg.restart_at * cfg.seconds, log=self._log_fault
+        )
         try:
             self.daemon.start()
-            for i in range(cfg.num_actors):
-                self.start_actor(i)
-            self.start_engine()
+            self.fleet.start_all()
             t0 = time.monotonic()
             next_check, rss_start = 0.0, 0.0
             while (elapsed := time.monotonic() - t0) < cfg.seconds:
-                injector.tick(elapsed, self)
-                self._watch_children()
-                if elapsed >= next_check:
+                injector.tick(elapsed, self.fleet)
+                for crash in self.fleet.crashed():
+                    self._violation(crash)
+                if elapsed >= next_check and not self.fleet.stalled:
                     self._check_invariants()
                     next_check = elapsed + cfg.check_every_s
                 if not rss_start and elapsed >= cfg.warmup * cfg.seconds:
@@ -189,41 +141,35 @@ class Soak:
                 time.sleep(0.05)
             seconds = time.monotonic() - t0
             rss_end = self._rss()
-            stopped = self._stop_clients()
+            stopped = self.fleet.stop_clients()
             drain_s, expirations = self._drain(stopped)
             self._check_invariants()
             limit = rss_start + max(cfg.rss_slack_mb, cfg.rss_slack * rss_start)
             if rss_end > limit:
                 self._violation(f"daemon RSS grew {rss_start:.1f} -> {rss_end:.1f} MiB")
+            evidence = daemon_evidence(self.daemon.log_path)
+            evidence["went_away_lease_expired"] = self._explain_went_away()
             totals = self.tally.totals()
+            by_kind = {str(k): n for k, n in injector.counts.items()}
+            by_kind |= {str(k): totals[name] for k, name in FIRED_BY_CLIENTS.items()}
             return SoakResult(
                 seconds=seconds,
                 ops=totals["ops"],
-                faults=injector.total,
+                faults=sum(by_kind.values()),
                 violations=totals["violations"],
                 rss_start_mb=rss_start,
                 rss_end_mb=rss_end,
                 rss_limit_mb=limit,
                 drain_s=drain_s,
                 lease_expirations=expirations,
-                faults_by_kind={str(k): n for k, n in injector.counts.items()},
+                faults_by_kind=dict(sorted(by_kind.items())),
                 totals=totals,
+                evidence=evidence,
                 findings=self.tally.findings(),
                 run_dir=str(self.run_dir) if totals["violations"] else "",
             )
         finally:
             self._cleanup()
-
-    def _watch_children(self) -> None:
-        """A client that exits on its own (not by our SIGKILL) crashed: count it, start it again."""
-        for i, proc in enumerate(self.actors):
-            if proc is not None and not proc.is_alive() and proc.pid not in self.killed:
-                self._violation(f"actor {i} exited by itself with code {proc.exitcode}")
-                self.start_actor(i)
-        engine = self.engine
-        if engine is not None and not engine.is_alive() and engine.pid not in self.killed:
-            self._violation(f"the engine exited by itself with code {engine.exitcode}")
-            self.start_engine()
 
     def _check_invariants(self) -> None:
         try:
@@ -234,35 +180,21 @@ class Soak:
         for problem in problems:
             self._violation(f"index invariant broken: {problem}")
 
-    def _stop_clients(self) -> float:
-        """Stops every client: about half gracefully (Goodbye), the rest by SIGKILL.
-
-        Returns when the last client was killed (time.monotonic()).
-        """
-        self.tally.stop()
-        procs = [*self.actors, self.engine]
-        for proc in procs:
-            if self.rng.random() < 0.5:
-                self._kill(proc)
-        stopped = time.monotonic()
-        for proc in procs:
-            if proc is not None:
-                proc.join(timeout=30)
-                if self._kill(proc):
-                    stopped = time.monotonic()
-        self._kill_orphans()
-        return stopped
-
-    def _kill_orphans(self) -> None:
-        """Ranks whose engine was SIGKILLed exit by themselves; make sure of it."""
-        for rank in range(WORLD_SIZE):
-            pid = self.tally.worker_pid(rank)
-            deadline = time.monotonic() + 5
-            while pid > 0 and parent_of(pid) != -1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if pid > 0 and parent_of(pid) != -1 and is_spawned_child(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    def _explain_went_away(self) -> int:
+        """Jobs the engine saw failed for a rank that "went away" though every rank acked:
+        a violation unless that rank's lease had run out. Returns how many had."""
+        lapsed = 0
+        for job, detail in self.tally.went_away():
+            cause, context = went_away_cause(self.daemon.log_path, job)
+            if cause == "lease_expired":
+                lapsed += 1
+                continue
+            self._violation(
+                f"engine: daemon failed job {job}: {detail}, though every rank acknowledged "
+                f"it ok, no stall or restart was near and no lease ran out (before it in the "
+                f"daemon's log: {cause}): {' | '.join(context)}"
+            )
+        return lapsed
 
     def _drain(self, t0: float) -> tuple[float, int]:
         """Waits until no session, pin, in-flight block or job is left.
@@ -286,14 +218,20 @@ class Soak:
         proc = self.daemon.proc
         return rss_mb(proc.pid) if proc is not None else 0.0
 
+    def _log_fault(self, line: str) -> None:
+        """The fault sequence, kept with the findings (`faults.log` in the run dir)."""
+        with open(self.run_dir / "faults.log", "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+
     def _violation(self, detail: str) -> None:
         self.tally.violation(self.me, f"harness: {detail}")
 
     def _cleanup(self) -> None:
-        self.tally.stop()
-        for proc in [*self.actors, self.engine]:
-            self._kill(proc)
-        self._kill_orphans()
+        self.fleet.kill_all()
+        if self.tally.total("violations") and not os.environ.get("KVD_KEEP_LOGS"):
+            # Keep the daemon's log with the findings.
+            with contextlib.suppress(OSError):
+                shutil.copy(self.daemon.log_path, self.run_dir / "daemon.log")
         self.daemon.stop()
         if not os.environ.get("KVD_KEEP_LOGS") and not self.tally.total("violations"):
             shutil.rmtree(self.run_dir, ignore_errors=True)
