@@ -14,8 +14,9 @@ engine. Two moments matter and they differ:
 A job is pushed to one session per rank and only that session may answer for
 that rank (`pushed_to`). A session that ends without saying its copies
 stopped (its lease expired, another process took its rank) fails the job at
-once, but that rank counts as gone only a grace later (one lease, or the
-hard deadline if sooner): its process may still be copying. A worker never
+once, but that rank counts as gone only a grace later (one lease, and not
+before the job's deadline): its process may still be copying, and may still
+start the job until its deadline. A worker never
 launches a job past its deadline (it travels in `TransferJob`). A new
 session of the same worker process (a reconnect) inherits the old one's
 jobs (`rebind`).
@@ -204,8 +205,10 @@ class JobTable:
             if stopped:
                 job.gone.update(owed)
             else:
+                # It may still start the job until its deadline (a worker never
+                # starts one later), and copy for a grace after it stopped talking.
                 for rank in owed:
-                    job.gone_at[rank] = now + grace_s  # the hard deadline still applies
+                    job.gone_at[rank] = max(now + grace_s, job.deadline)
             if not job.failure:
                 job.failure = f"rank {owed[0]} went away"
             outcomes.append(self._advance(job))

@@ -195,8 +195,9 @@ def test_worker_killed_mid_job(big_daemon: DaemonProcess, kind: str) -> None:
             assert result is not None and not result.ok
             assert "rank 1" in result.detail
             # Rank 1's process might only be stalled: its slots are held one more
-            # lease past its expiry, then given back.
-            deadline = time.monotonic() + 2 * big_daemon.lease_s + 2
+            # lease past its expiry, and until the job's deadline (it could still
+            # start it until then), then given back.
+            deadline = time.monotonic() + int(big_daemon.flags["job-timeout-ms"]) / 1000 + 2
             info = _pool_info(s, pool)
             while (info.blocks_pinned, info.blocks_in_flight) != (0, 0):
                 assert time.monotonic() < deadline, info

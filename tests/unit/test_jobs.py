@@ -107,14 +107,24 @@ def test_a_session_that_owes_nothing_leaves_jobs_alone() -> None:
 
 def test_a_session_gone_without_stopping_fails_now_and_settles_a_grace_later() -> None:
     t = JobTable(timeout_s=1.0)
-    job = make(t, now=10.0)
-    (o,) = t.session_gone(session(1), stopped=False, now=10.2, grace_s=0.5)  # lease expired
+    job = make(t, now=10.0)  # deadline 11.0, hard deadline 12.0
+    (o,) = t.session_gone(session(1), stopped=False, now=10.6, grace_s=0.8)  # lease expired
     assert o.report and not o.settle and "went away" in job.failure
     assert t.ack(job.job_id, session(0), 0, True, 0, 0.0) is not None
     assert t.get(job.job_id) is job  # rank 1 may still be writing
-    assert t.expire(10.6) == []
-    (o,) = t.expire(10.7)
+    assert t.expire(11.3) == []
+    (o,) = t.expire(11.4)  # one grace after it went
     assert o.settle and not o.report and t.get(job.job_id) is None
+
+
+def test_a_gone_session_counts_gone_no_earlier_than_the_jobs_deadline() -> None:
+    t = JobTable(timeout_s=1.0)
+    job = make(t, now=10.0)  # deadline 11.0: until then the worker may still start it
+    t.session_gone(session(0), stopped=False, now=10.1, grace_s=0.2)
+    t.session_gone(session(1), stopped=False, now=10.1, grace_s=0.2)
+    assert t.expire(10.9) == []
+    assert [o.settle for o in t.expire(11.0)] == [True]
+    assert t.get(job.job_id) is None
 
 
 def test_a_reconnect_inherits_the_jobs_of_its_process() -> None:
