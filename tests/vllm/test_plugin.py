@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,16 +38,22 @@ class Engine:
     def __init__(self, model: str, kvd: dict[str, Any] | None, tp: int = 1) -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto"}
         config = {"model": model, "kvd": kvd, "tp": tp}
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
+            prefix="kvd-vllm-", suffix=".log", delete=False
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.vllm.engine_child", json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
             cwd=ROOT,
             env=env,
         )
         assert self._read(timeout=300) == {"ready": True}
+
+    def log_tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
 
     def _read(self, timeout: float) -> Any:
         assert self.proc.stdout is not None
@@ -54,11 +61,11 @@ class Engine:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"engine exited with {self.proc.poll()}")
+                raise RuntimeError(f"engine exited with {self.proc.poll()}:\n{self.log_tail()}")
             line = line.strip()
             if line.startswith("{"):
                 return json.loads(line)
-        raise TimeoutError("engine did not answer")
+        raise TimeoutError(f"engine did not answer:\n{self.log_tail()}")
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
         reply = self.ask({"prompts": prompts, "max_tokens": max_tokens})
@@ -85,6 +92,8 @@ class Engine:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 def counters(daemon: DaemonProcess) -> dict[str, int]:
