@@ -8,6 +8,7 @@ a connector: kvd must change no token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,6 +50,7 @@ class Engine:
             text=True,
             cwd=ROOT,
             env=env,
+            start_new_session=True,  # vLLM's engine core and workers go with it on stop
         )
         assert self._read(timeout=300) == {"ready": True}
 
@@ -82,18 +84,24 @@ class Engine:
         assert self.ask({"reset_prefix_cache": True}) == {"ok": True}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stops the engine and every process vLLM started for it (its process group)."""
+        stop_group(self.proc)
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
+
+
+def stop_group(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM to `proc`'s process group, SIGKILL to what is left after 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core and workers too
+    proc.wait()
 
 
 def counters(daemon: DaemonProcess) -> dict[str, int]:
@@ -250,6 +258,7 @@ def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, "KVD_ENDPOINT": daemon.endpoint},
+        start_new_session=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 300
@@ -277,9 +286,4 @@ def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model:
             assert time.monotonic() < deadline, "nothing reached kvd"
             time.sleep(0.2)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_group(server)
