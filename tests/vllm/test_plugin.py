@@ -271,7 +271,8 @@ def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model:
             except OSError:
                 time.sleep(1)
         before = counters(daemon).get("blocks_stored", 0)
-        body = json.dumps({"model": model, "prompt": PROMPTS[0], "max_tokens": 4,
+        prompt = [(i * 13) % 1000 + 3 for i in range(224)]  # blocks no other test stored
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4,
                            "temperature": 0}).encode()  # fmt: skip
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
