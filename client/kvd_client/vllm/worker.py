@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+import posix_ipc
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -37,6 +38,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import BadRequest, KvdError
+from kvd_client.geometry import Geometry
 from kvd_client.worker import Mapping
 
 log = logging.getLogger("kvd_client.vllm")
@@ -93,8 +95,28 @@ class KvdOffloadingWorker(OffloadingWorker):
     def _attach(self, conn: Connection) -> None:
         reply = conn.call(p.Attach, self._pool, self._layout, self._capacity)
         assert isinstance(reply, p.Attached)
-        if reply.generation in self._segments:
-            return
+        if reply.generation not in self._segments:
+            self._map(reply)
+
+    def _map_by_name(self, generation: int) -> None:
+        """Maps the pool's segment of `generation` by its name, without the daemon: the
+        scheduler side may have attached to a new daemon before this rank's keeper."""
+        name = f"/kvd.{self._pool}.{generation}"
+        shm = posix_ipc.SharedMemory(name)
+        try:
+            size = shm.size
+        finally:
+            shm.close_fd()
+        g = Geometry.plan(
+            slot_bytes=self._layout.slot_bytes,
+            world_size=self._layout.world_size,
+            replicated=self._layout.replicated,
+            capacity_bytes=size,
+        )
+        self._map(p.Attached(0, name, generation, g.num_blocks, g.row_bytes, g.slot_bytes,
+                             g.num_slots, g.slot_stride))  # fmt: skip
+
+    def _map(self, reply: p.Attached) -> None:
         mapping = Mapping(reply, self._layout.replicated)
         g = mapping.geometry
         flat = torch.frombuffer(mapping.mm, dtype=torch.int8)
@@ -124,8 +146,14 @@ class KvdOffloadingWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(pool, CPULoadStoreSpec)
         start = time.perf_counter()
-        segment = self._segments.get(getattr(pool, "generation", -1))
-        if segment is None:  # not mapped (the daemon never answered): nothing to copy
+        generation = getattr(pool, "generation", -1)
+        if generation not in self._segments:
+            try:
+                self._map_by_name(generation)
+            except (posix_ipc.Error, OSError, KvdError) as exc:
+                log.warning("kvd job %d: cannot map its pool segment: %s", job_id, exc)
+        segment = self._segments.get(generation)
+        if segment is None:  # the segment is gone: nothing to copy
             log.warning(
                 "kvd job %d: segment %s is not mapped", job_id, getattr(pool, "generation", "?")
             )
