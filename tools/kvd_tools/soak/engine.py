@@ -93,7 +93,7 @@ class Rank:
         except RankSilent:
             self.hung = True
         except RankExited:
-            pass
+            self.hung = False  # dead, not hung: the caller restarts it
         return None
 
     def stop(self, kill: bool) -> None:
