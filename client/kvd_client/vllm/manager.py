@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -197,6 +196,3 @@ class KvdOffloadingManager(OffloadingManager):
         self.reset_cache()
         if self._scheduler is not None:
             self._scheduler.close()
-
-    def stats(self) -> dict[str, Any]:
-        return {"requests_tracked": len(self._requests)}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
 
 import posix_ipc
 import torch
@@ -185,6 +184,3 @@ class KvdOffloadingWorker(OffloadingWorker):
             _, (mapping, views) = self._segments.popitem()
             del views
             mapping.close()
-
-    def info(self) -> dict[str, Any]:
-        return {"pool": self._pool, "rank": self._rank}
