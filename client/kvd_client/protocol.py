@@ -97,7 +97,11 @@ class Attach(_Msg, frozen=True):
 
 
 class Lookup(_Msg, frozen=True):
+    """Leading ready keys; with `pin`, those keys are also pinned for a load, as
+    `PrepareLoad` of them would, in the same step (one round trip, no race)."""
+
     keys: Keys
+    pin: bool = False
 
 
 class PrepareLoad(_Msg, frozen=True):
@@ -228,6 +232,7 @@ class Ok(_Msg, frozen=True):
 
 class LookupResult(_Msg, frozen=True):
     hits: int | None
+    slots: list[int] = []  # with `Lookup.pin`: the pinned slots of the leading hits
 
 
 class SlotsResult(_Msg, frozen=True):

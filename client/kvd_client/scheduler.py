@@ -114,6 +114,18 @@ class Scheduler:
         assert isinstance(reply, p.LookupResult)
         return reply.hits
 
+    def lookup_and_pin(self, keys: Sequence[KeyLike]) -> tuple[int | None, LoadStoreSpec]:
+        """`lookup`, and `prepare_load` of the leading hits, in one round trip: the
+        hits are pinned until `complete_load` of them. `(0, [])` when disconnected."""
+        if not self.connected:
+            return 0, LoadStoreSpec([])
+        try:
+            reply = self._call(p.Lookup, as_keys(keys), True)
+        except Unavailable:
+            return 0, LoadStoreSpec([])
+        assert isinstance(reply, p.LookupResult)
+        return reply.hits, LoadStoreSpec(reply.slots)
+
     def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
         """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected."""
         reply = self._call(p.PrepareLoad, as_keys(keys))

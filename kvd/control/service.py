@@ -204,12 +204,16 @@ class Service:
         if refused is not None:
             return refused
         match req:
-            case p.Lookup(req_id, keys):
+            case p.Lookup(req_id, keys, pin):
                 hits = owned.index.lookup(keys)
                 self.counters["lookups"] += 1
                 self.counters["lookup_keys"] += len(keys)
                 self.counters["hit_blocks"] += hits or 0
-                return p.LookupResult(req_id, hits)
+                if not (pin and hits):
+                    return p.LookupResult(req_id, hits)
+                spec = owned.prepare_load(sid, keys[:hits], account=sid)
+                self.counters["loaded_blocks"] += hits
+                return p.LookupResult(req_id, hits, spec.slots)
             case p.Touch(req_id, keys):
                 owned.index.touch(keys)
                 return p.Ok(req_id)

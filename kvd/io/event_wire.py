@@ -37,8 +37,12 @@ lost. Dynamo reads both forms, so it needs no switch of its own.
 
 What a kvd pool knows and what it fills in:
 
-- `block_hashes`: the keys, as today. 8-byte keys become the unsigned int
-  they were sent as when `events_int_hashes` is set; other keys stay bytes.
+- `block_hashes`: what vLLM itself publishes for the key. A 36-byte key (an
+  offload key) gives its 32-byte block hash, without the group bytes; an
+  8-byte key is a hash already. With `events_int_hashes` (vLLM's default,
+  `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) such a hash is published as
+  vLLM's `maybe_convert_block_hash` does: the unsigned big-endian int of its
+  bytes, low 64 bits. Keys of other lengths stay bytes.
 - `group_idx`: taken from a 36-byte key, which is vLLM's offload key (a
   32-byte block hash followed by the KV-cache group as 4 bytes, big-endian).
   Keys from different groups go in separate events, in key order. Other key
@@ -65,6 +69,7 @@ from kvd_client.types import OffloadingEvent
 EventFormat = Literal["map", "array"]
 ExternalBlockHash = bytes | int
 LOCALITY = "LOCAL"
+_LOW_64_BITS = (1 << 64) - 1
 OFFLOAD_KEY_BYTES = 36  # vLLM's offload key: the block hash, then 4 bytes of group
 _GROUP_BYTES = 4
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's end marker
@@ -166,12 +171,16 @@ WireEvent = (
 # -- index events to wire events --------------------------------------------------
 
 
+def block_hash(key: bytes, as_int: bool) -> ExternalBlockHash:
+    """The event block hash vLLM publishes for `key` (module docstring)."""
+    digest = key[:-_GROUP_BYTES] if len(key) == OFFLOAD_KEY_BYTES else key
+    if as_int and len(key) in (8, OFFLOAD_KEY_BYTES):
+        return int.from_bytes(digest, "big") & _LOW_64_BITS
+    return digest
+
+
 def block_hashes(keys: Sequence[bytes], as_int: bool) -> list[ExternalBlockHash]:
-    """Keys as event block hashes; with `as_int`, 8-byte keys become the unsigned
-    int they were sent as (what vLLM publishes by default), other keys stay bytes."""
-    if not as_int:
-        return list(keys)
-    return [int.from_bytes(k, "big") if len(k) == 8 else k for k in keys]
+    return [block_hash(k, as_int) for k in keys]
 
 
 def group_of(key: bytes) -> int | None:

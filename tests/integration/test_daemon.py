@@ -208,6 +208,24 @@ def test_not_owner_and_pin_cap(daemon: DaemonProcess) -> None:
         assert err.value.code == ErrorCode.MISSING
 
 
+def test_lookup_and_pin_pins_the_leading_hits_in_one_round_trip(daemon: DaemonProcess) -> None:
+    small = Layout("m", "bfloat16", 16, 1, False, 4096)
+    with Scheduler(
+        "pin", small, engine_id="a", endpoint=daemon.endpoint, capacity_bytes=4 * 4096
+    ) as s:
+        assert s.prepare_store(keys(3)) is not None
+        s.complete_store(keys(3))
+        before = pool_info(daemon, "pin").blocks_pinned
+        hits, spec = s.lookup_and_pin([*keys(2), b"\xfe" * 8, *keys(1, start=2)])
+        assert hits == 2 and len(spec.slots) == 2
+        assert pool_info(daemon, "pin").blocks_pinned == before + 2
+        out = s.prepare_store(keys(2, start=10))  # one free, one evictable: the pinned stay
+        assert out is not None and not set(out.evicted_keys) & set(keys(2))
+        assert s.lookup_and_pin([b"\xfe" * 8]) == (0, type(spec)([]))
+        s.complete_load(keys(2))
+        assert pool_info(daemon, "pin").blocks_pinned == before
+
+
 def test_permissions(tmp_path: object) -> None:
     d = DaemonProcess(group="root").start()
     try:

@@ -37,6 +37,8 @@ with warnings.catch_warnings():
         KVEventBatch,
         ZmqEventPublisher,
     )
+    from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import OffloadKey, get_offload_block_hash
 
 LAYOUT = Layout("vllm-wire@1", "bfloat16", 16, 1, False, 4096)  # one 4 KiB row per block
 WAIT_MS = 5000
@@ -148,6 +150,11 @@ def receive(sub: zmq.Socket[bytes], topic: bytes, num_events: int) -> list[tuple
     return got
 
 
+def vllm_hash(key: bytes) -> int | bytes:
+    """What vLLM itself publishes for offload key `key` (its default int hashes)."""
+    return maybe_convert_block_hash(BlockHash(get_offload_block_hash(OffloadKey(key))))
+
+
 def stored(hashes: list[bytes | int], group_idx: int | None = None) -> BlockStored:
     return BlockStored(
         hashes, None, [], 16, None, MEDIUM_CPU, None, group_idx=group_idx, locality="LOCAL"
@@ -176,8 +183,9 @@ def test_daemon_events_decode_with_vllms_decoder_from_pub_and_replay(
             AllBlocksCleared(),  # a new pool's topic starts clean
             stored([1, 2, 2**64 - 1]),  # 8-byte keys: the ints the engine hashed
             BlockRemoved([1, 2], MEDIUM_CPU, locality="LOCAL"),
-            stored(offload[:2], group_idx=0),  # vLLM's offload keys: hash + group
-            stored(offload[2:], group_idx=1),
+            # vLLM's offload keys (hash + group) as vLLM publishes their hashes
+            stored([vllm_hash(k) for k in offload[:2]], group_idx=0),
+            stored([vllm_hash(k) for k in offload[2:]], group_idx=1),
         ]
     )
     for _, payload in got:  # byte for byte what vLLM's own encoder makes of it

@@ -167,29 +167,34 @@ def test_group_idx_from_vllm_offload_keys_one_event_per_group() -> None:
     # Key order is kept; a change of group (or a key without one) starts a new event.
     events = wire(OffloadingEvent([a, b, c, K[0], a], 16), as_int=True)
     decoded = msgspec.msgpack.Decoder(Batch).decode(encode(events)).events
+    # vLLM's int hash of an offload key: its block hash, low 64 bits, big-endian.
+    h1, h2, h3 = (int.from_bytes(bytes([i]) * 8, "big") for i in (1, 2, 3))
     assert [(e.block_hashes, e.group_idx) for e in decoded if isinstance(e, Stored)] == [
-        ([a, b], 0),
-        ([c], 2),
+        ([h1, h2], 0),
+        ([h3], 2),
         ([1], None),  # an 8-byte key: no group, and an int hash
-        ([a], 0),
+        ([h1], 0),
     ]
     removed = wire(OffloadingEvent([c, a], 16, removed=True))
-    assert msgspec.msgpack.decode(encode(removed))[1] == [
-        {
-            "type": "BlockRemoved",
-            "block_hashes": [c],
-            "medium": "CPU",
-            "group_idx": 2,
-            "locality": "LOCAL",
-        },
-        {
-            "type": "BlockRemoved",
-            "block_hashes": [a],
-            "medium": "CPU",
-            "group_idx": 0,
-            "locality": "LOCAL",
-        },
-    ]
+    assert (
+        msgspec.msgpack.decode(encode(removed))[1]
+        == [
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [c[:32]],  # bytes hashes: the block hash, no group bytes
+                "medium": "CPU",
+                "group_idx": 2,
+                "locality": "LOCAL",
+            },
+            {
+                "type": "BlockRemoved",
+                "block_hashes": [a[:32]],
+                "medium": "CPU",
+                "group_idx": 0,
+                "locality": "LOCAL",
+            },
+        ]
+    )
 
 
 def test_array_form_is_the_positional_layout_of_older_vllm() -> None:
@@ -205,7 +210,7 @@ def test_array_form_is_the_positional_layout_of_older_vllm() -> None:
         1.5,
         [
             ["BlockStored", [1], None, [], 16, None, "CPU", None, None, None, None, None],
-            ["BlockRemoved", [g1], "CPU", 1],
+            ["BlockRemoved", [int.from_bytes(b"\x07" * 8, "big")], "CPU", 1],
             ["AllBlocksCleared"],
         ],
         None,

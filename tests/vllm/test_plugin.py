@@ -1,6 +1,6 @@
 """Runs in the test process: real vLLM 0.32 (CPU build) on a real kvd daemon.
 
-Each engine is a child process (`tests.vllm.engine_child`) on a tiny Llama
+Each engine is a child process (`kvd_tools.vllm_harness.engine`) on a tiny Llama
 with dummy weights; engines are shared across tests where they can be, since
 one takes 30 to 60 s to start here. The reference is the same engine without
 a connector: kvd must change no token.
@@ -8,13 +8,11 @@ a connector: kvd must change no token.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +23,8 @@ import pytest
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_tools.launcher import DaemonProcess
-from tests.vllm.engine_child import write_model
+from kvd_tools.vllm_harness.driver import EngineProcess, stop_group
+from kvd_tools.vllm_harness.engine import kv_transfer_config, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prompts that share a 256-token prefix (8 blocks of 32), then differ.
@@ -33,75 +32,8 @@ PREFIX = [(i * 37) % 1000 + 3 for i in range(256)]
 PROMPTS = [PREFIX + [(i * 11 + j * 101) % 1000 + 3 for i in range(96)] for j in range(3)]
 
 
-class Engine:
-    """One vLLM engine process speaking JSON lines."""
-
-    def __init__(self, model: str, kvd: dict[str, Any] | None, tp: int = 1) -> None:
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto"}
-        config = {"model": model, "kvd": kvd, "tp": tp}
-        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
-            prefix="kvd-vllm-", suffix=".log", delete=False
-        )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.vllm.engine_child", json.dumps(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,  # vLLM's engine core and workers go with it on stop
-        )
-        assert self._read(timeout=300) == {"ready": True}
-
-    def log_tail(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
-
-    def _read(self, timeout: float) -> Any:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine exited with {self.proc.poll()}:\n{self.log_tail()}")
-            line = line.strip()
-            if line.startswith("{"):
-                return json.loads(line)
-        raise TimeoutError(f"engine did not answer:\n{self.log_tail()}")
-
-    def generate(self, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
-        reply = self.ask({"prompts": prompts, "max_tokens": max_tokens})
-        tokens: list[list[int]] = reply["tokens"]
-        return tokens
-
-    def ask(self, cmd: dict[str, Any], timeout: float = 120) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def reset_prefix_cache(self) -> None:
-        assert self.ask({"reset_prefix_cache": True}) == {"ok": True}
-
-    def stop(self) -> None:
-        """Stops the engine and every process vLLM started for it (its process group)."""
-        stop_group(self.proc)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                pipe.close()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
-
-
-def stop_group(proc: subprocess.Popen[str]) -> None:
-    """SIGTERM to `proc`'s process group, SIGKILL to what is left after 30 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core and workers too
-    proc.wait()
+def start_engine(model: str, kvd: dict[str, Any] | None, tp: int = 1) -> EngineProcess:
+    return EngineProcess({"model": model, "kvd": kvd, "tp": tp})
 
 
 def counters(daemon: DaemonProcess) -> dict[str, int]:
@@ -123,7 +55,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def reference(model: str) -> list[list[int]]:
     """The tokens vLLM gives without any connector."""
-    engine = Engine(model, None)
+    engine = start_engine(model, None)
     try:
         return engine.generate(PROMPTS)
     finally:
@@ -146,7 +78,7 @@ def kvd_config(daemon: DaemonProcess) -> dict[str, Any]:
 def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
     model: str, reference: list[list[int]], daemon: DaemonProcess
 ) -> None:
-    first = Engine(model, kvd_config(daemon))
+    first = start_engine(model, kvd_config(daemon))
     try:
         assert first.generate(PROMPTS) == reference
         stored = counters(daemon)
@@ -157,7 +89,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
         assert after.get("hit_blocks", 0) >= 8 * len(PROMPTS)
         assert after.get("loaded_blocks", 0) >= 8
         # A second engine at the same time shares the pool: it hits what the first stored.
-        second = Engine(model, kvd_config(daemon))
+        second = start_engine(model, kvd_config(daemon))
         try:
             before = counters(daemon)
             assert second.generate(PROMPTS[:1]) == reference[:1]
@@ -169,7 +101,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
     finally:
         first.stop()
     # A new engine process on the same daemon serves its first prefix from kvd.
-    restarted = Engine(model, kvd_config(daemon))
+    restarted = start_engine(model, kvd_config(daemon))
     try:
         before = counters(daemon)
         assert restarted.generate(PROMPTS) == reference
@@ -184,7 +116,7 @@ def test_daemon_down_at_start_then_killed_mid_run(
     model: str, reference: list[list[int]], tmp_path: Path
 ) -> None:
     d = DaemonProcess(lease_ms="3000", max_total_bytes="1GiB")  # not started yet
-    engine = Engine(model, {"kvd_endpoint": d.endpoint, "kvd_capacity_bytes": 64 << 20})
+    engine = start_engine(model, {"kvd_endpoint": d.endpoint, "kvd_capacity_bytes": 64 << 20})
     try:
         assert engine.generate(PROMPTS) == reference  # no daemon: lookups miss
         d.start()
@@ -211,12 +143,12 @@ def test_tensor_parallel_two_ranks_share_one_sharded_pool(
     daemon: DaemonProcess, model: str
 ) -> None:
     """TP=2 through vLLM's multiprocessing executor on the CPU platform."""
-    plain = Engine(model, None, tp=2)
+    plain = start_engine(model, None, tp=2)
     try:
         reference = plain.generate(PROMPTS)
     finally:
         plain.stop()
-    engine = Engine(model, {**kvd_config(daemon), "kvd_pool": "tp2"}, tp=2)
+    engine = start_engine(model, {**kvd_config(daemon), "kvd_pool": "tp2"}, tp=2)
     try:
         assert engine.generate(PROMPTS) == reference
         engine.reset_prefix_cache()
@@ -241,8 +173,6 @@ def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model:
     """`python -m vllm.entrypoints.openai.api_server` as the README says, one completion."""
     import socket
     import urllib.request
-
-    from tests.vllm.engine_child import kv_transfer_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

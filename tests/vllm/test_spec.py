@@ -2,51 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from vllm.v1.kv_offload.base import LookupResult, ReqContext
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingManager,
+    OffloadingWorker,
+    ReqContext,
 )
+from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_client.errors import KvdError
+from kvd_client.paths import read_admin_token
 from kvd_client.vllm import KvdOffloadingSpec
+from kvd_client.vllm.manager import UNSERVABLE, KvdLoadStoreSpec
 from kvd_client.vllm.pool import choose_pool
+from kvd_client.vllm.worker import KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
-
-
-def config(
-    *,
-    groups: int = 1,
-    world_size: int = 1,
-    replicated: bool = False,
-    blocks_per_chunk: int = 1,
-    model: str = "tiny-llama",
-    **extra: Any,
-) -> OffloadingConfig:
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(32, (f"layers.{g}",), g) for g in range(groups)
-        ),
-        worker_kv_bytes_per_block=4096,
-        enable_kv_cache_events=False,
-        extra_config={"spec_name": "KvdOffloadingSpec", "spec_module_path": "kvd_client.vllm",
-                      **extra},
-        engine_id="engine-0",
-        model=OffloadingModelConfig(model, "bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1,
-            dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-            data_parallel_rank_local=None, is_parallelism_agnostic=False,
-        ),
-        replicated_layout=replicated,
-        kv_cache_layout="NHD",
-    )  # fmt: skip
+from kvd_tools.vllm_harness.offload_config import offloading_config as config
 
 
 def test_the_default_pool_follows_what_makes_blocks_interchangeable() -> None:
@@ -99,4 +79,119 @@ def test_an_explicit_pool_with_another_layout_is_off_not_a_crash(
         assert manager.lookup(b"a" * 36, ReqContext("r")) is LookupResult.MISS  # type: ignore[arg-type]
         assert any("LAYOUT_MISMATCH" in r.message for r in caplog.records)
         first.get_manager().shutdown()
+        manager.shutdown()
+
+
+# -- the worker and the manager on vLLM's own classes, against a real daemon -------
+
+
+def device(ids: list[int]) -> GPULoadStoreSpec:
+    return GPULoadStoreSpec(ids, group_sizes=(len(ids),), block_indices=(0,))
+
+
+KEYS = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(1, 4)]
+
+
+def store_and_pin(
+    spec: KvdOffloadingSpec, tensor: torch.Tensor, ctx: ReqContext
+) -> tuple[OffloadingManager, OffloadingWorker]:
+    """Stores KEYS from device blocks 0..2 (bytes 1, 2, 3) and looks them up in `ctx`."""
+    manager, worker = spec.get_manager(), spec.get_worker(kv_caches_of(tensor))
+    for i in range(3):
+        tensor[i] = i + 1
+    out = manager.prepare_store(KEYS, ctx)  # type: ignore[arg-type]
+    assert out is not None
+    assert worker.submit_store(1, device([0, 1, 2]), out.store_spec)
+    manager.complete_store(KEYS, ctx)  # type: ignore[arg-type]
+    for i, key in enumerate(KEYS):
+        ctx.set_offload_key_position(key, (i + 1) * 32)  # type: ignore[arg-type]
+    assert [manager.lookup(k, ctx) for k in KEYS] == [LookupResult.HIT] * 3  # type: ignore[arg-type]
+    return manager, worker
+
+
+def kv_caches_of(tensor: torch.Tensor) -> CanonicalKVCaches:
+    return CanonicalKVCaches(
+        [CanonicalKVCacheTensor(tensor, 4096)], [[CanonicalKVCacheRef(0, 4096)]]
+    )
+
+
+def test_a_load_kvd_cannot_serve_is_reported_as_load_errors_not_a_failed_transfer() -> None:
+    tensor = torch.zeros((16, 4096), dtype=torch.int8)
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        ctx = ReqContext("r")
+        manager, worker = store_and_pin(spec, tensor, ctx)
+        assert isinstance(worker, KvdOffloadingWorker)
+        worker.reports_load_errors = True  # what KvdOffloadingConnector sets
+        good = manager.prepare_load(KEYS, ctx)  # type: ignore[arg-type]
+        assert worker.submit_load(2, good, device([5, 6, 7]))
+        assert tensor[5:8, 0].tolist() == [1, 2, 3]
+        # A segment that is gone (its daemon ended) and a load kvd could not pin:
+        gone = KvdLoadStoreSpec(list(good.block_ids), generation=good.generation + 1000)
+        assert worker.submit_load(3, gone, device([8, 9]))
+        assert worker.submit_load(4, KvdLoadStoreSpec([0], UNSERVABLE), device([10]))
+        results = {r.job_id: r.success for r in worker.get_finished()}
+        assert results == {1: True, 2: True, 3: True, 4: True}  # vLLM asserts success
+        assert worker.take_load_errors() == {8, 9, 10}
+        assert worker.take_load_errors() == set()
+        assert tensor[8:11].abs().sum() == 0  # nothing was written there
+        # Under vLLM's plain connector nobody recomputes: a clear error, not wrong bytes.
+        worker.reports_load_errors = False
+        with pytest.raises(KvdError, match="KvdOffloadingConnector"):
+            worker.submit_load(5, gone, device([8]))
+        manager.shutdown()
+        worker.shutdown()
+
+
+def test_a_load_without_a_pin_is_pinned_then_or_handed_back_to_recompute() -> None:
+    tensor = torch.zeros((16, 4096), dtype=torch.int8)
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        ctx = ReqContext("r")
+        manager, worker = store_and_pin(spec, tensor, ctx)
+        manager.reset_cache()  # vLLM's reset: the pins go
+        again = manager.prepare_load(KEYS[:2], ctx)  # type: ignore[arg-type]
+        assert isinstance(again, KvdLoadStoreSpec) and again.generation != UNSERVABLE
+        assert worker.submit_load(1, again, device([4, 5]))
+        assert tensor[4:6, 0].tolist() == [1, 2]
+        manager.complete_load(KEYS[:2], ctx)  # type: ignore[arg-type]
+        conn = Connection(d.endpoint, role="admin", keeper=False, timeout_ms=2000)
+        conn.connect()
+        try:
+            token = read_admin_token(d.runtime_dir)
+            assert isinstance(conn.call(p.DropPool, spec.choice.name, token), p.Ok)
+        finally:
+            conn.close()
+        lost = manager.prepare_load(KEYS, ReqContext("other"))  # type: ignore[arg-type]
+        assert isinstance(lost, KvdLoadStoreSpec) and lost.generation == UNSERVABLE
+        stats = manager.get_stats()
+        assert stats is not None
+        figures = stats.reduce()
+        assert figures["vllm:kv_offload_kvd_unservable_loads"] == 1
+        assert figures["vllm:kv_offload_kvd_lookup_rpcs"] == 1
+        assert figures["vllm:kv_offload_kvd_lookup_hit_keys"] == 3
+        assert figures["vllm:kv_offload_kvd_stored_keys"] == 3
+        assert set(figures) <= set(KvdOffloadingSpec.build_metric_definitions({}))
+        assert manager.get_stats() is None  # counted once
+        manager.shutdown()
+        worker.shutdown()
+
+
+def test_events_name_this_engines_stores_and_evictions_when_vllm_asks() -> None:
+    with DaemonProcess() as d:
+        cfg = config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=2 * 4096, events=True)
+        manager = KvdOffloadingSpec(cfg).get_manager()
+        ctx = ReqContext("r")
+        assert manager.prepare_store(KEYS[:2], ctx) is not None  # type: ignore[arg-type]
+        manager.complete_store(KEYS[:2], ctx)  # type: ignore[arg-type]
+        out = manager.prepare_store(KEYS[2:], ctx)  # type: ignore[arg-type]
+        assert out is not None and len(out.evicted_keys) == 1
+        manager.complete_store(KEYS[2:], ctx)  # type: ignore[arg-type]
+        events = list(manager.take_events())
+        assert [(e.keys, e.removed, e.medium) for e in events] == [
+            (KEYS[:2], False, Medium.CPU),
+            (list(out.evicted_keys), True, Medium.CPU),
+            (KEYS[2:], False, Medium.CPU),
+        ]
+        assert list(manager.take_events()) == []
         manager.shutdown()

@@ -1,15 +1,21 @@
 """Runs in vLLM's processes: kvd as a vLLM 0.32 offloading spec (SPEC section 12).
 
-    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "KvdOffloadingConnector",
+      "kv_connector_module_path": "kvd_client.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"spec_name": "KvdOffloadingSpec",
         "spec_module_path": "kvd_client.vllm"}}'
 
 `KvdOffloadingSpec.get_manager()` runs in vLLM's scheduler process over kvd's
 index verbs (`manager`); `get_worker()` in each TP worker, copying between
 vLLM's canonical KV tensors and the worker's slots of the pool (`worker`).
-`import kvd_client` never imports this package, nor vLLM.
+`KvdOffloadingConnector` is vLLM's `OffloadingConnector` plus the report of
+loads kvd could not serve (`connector`); vLLM's plain connector also runs the
+spec, but cannot recompute such a load. `import kvd_client` never imports
+this package, nor vLLM.
 """
 
+from kvd_client.vllm.connector import KvdOffloadingConnector
 from kvd_client.vllm.spec import KvdOffloadingSpec
 
-__all__ = ["KvdOffloadingSpec"]
+__all__ = ["KvdOffloadingConnector", "KvdOffloadingSpec"]

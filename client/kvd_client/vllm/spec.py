@@ -11,10 +11,12 @@ cannot hold, is one log line and offloading off for this engine.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
+    OffloadingMetricMetadata,
     OffloadingSpec,
     OffloadingWorker,
 )
@@ -24,6 +26,7 @@ from kvd_client.errors import KvdError
 from kvd_client.scheduler import Scheduler
 from kvd_client.settings import ClientSettings
 from kvd_client.vllm.manager import KvdOffloadingManager
+from kvd_client.vllm.metrics import metric_definitions
 from kvd_client.vllm.pool import choose_pool
 from kvd_client.vllm.worker import KvdOffloadingWorker
 
@@ -32,6 +35,12 @@ LOOKUP_TIMEOUT_MS = 500  # the scheduler waits at most this on a stalled daemon
 
 
 class KvdOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return metric_definitions()
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.replicated_layout = bool(config.replicated_layout)
@@ -69,7 +78,9 @@ class KvdOffloadingSpec(OffloadingSpec):
                     log.warning(
                         "kvd offloading off for this engine: pool %r: %s", self.choice.name, exc
                     )
-            self._manager = KvdOffloadingManager(scheduler)
+            self._manager = KvdOffloadingManager(
+                scheduler, enable_events=self.kv_events_config.enable_kv_cache_events
+            )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

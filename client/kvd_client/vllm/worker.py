@@ -15,6 +15,16 @@ to); the copies run at once (torch index copies on the CPU), and
 mapped: after a cold daemon restart a load pinned in the old segment still
 reads it (nobody writes there any more), never the new one. The daemon completes a store when
 vLLM's scheduler side says every rank has finished (`complete_store`).
+
+vLLM asserts that every transfer succeeded, so the worker never reports a
+failure. A load it cannot serve (its segment is gone, or the manager could
+not pin it) leaves its device blocks in `load_errors`, which
+`KvdOffloadingConnector` hands to vLLM to recompute; under vLLM's plain
+`OffloadingConnector` nobody could, so the worker stops with a clear error
+rather than let vLLM compute on bytes it never loaded. A store into a segment
+that is gone is skipped: its daemon is gone, and the new one refuses to
+complete it. A store into a segment that exists but cannot be mapped stops
+the worker with a clear error, since the daemon would complete it.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import BadRequest, KvdError
 from kvd_client.geometry import Geometry
+from kvd_client.vllm.manager import UNSERVABLE
 from kvd_client.worker import Mapping
 
 log = logging.getLogger("kvd_client.vllm")
@@ -77,6 +88,8 @@ class KvdOffloadingWorker(OffloadingWorker):
         # generation -> (mapping, per-tensor host views), newest last
         self._segments: OrderedDict[int, tuple[Mapping, list[torch.Tensor]]] = OrderedDict()
         self._results: list[TransferResult] = []
+        self.load_errors: set[int] = set()  # device blocks of loads not served
+        self.reports_load_errors = False  # set by KvdOffloadingConnector
         self._conn = Connection(
             endpoint,
             role="worker",
@@ -145,31 +158,74 @@ class KvdOffloadingWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(pool, CPULoadStoreSpec)
         start = time.perf_counter()
-        generation = getattr(pool, "generation", -1)
-        if generation not in self._segments:
-            try:
-                self._map_by_name(generation)
-            except (posix_ipc.Error, OSError, KvdError) as exc:
-                log.warning("kvd job %d: cannot map its pool segment: %s", job_id, exc)
-        segment = self._segments.get(generation)
-        if segment is None:  # the segment is gone: nothing to copy
-            log.warning(
-                "kvd job %d: segment %s is not mapped", job_id, getattr(pool, "generation", "?")
-            )
-            self._results.append(TransferResult(job_id, False, 0, 0.0))
+        generation = getattr(pool, "generation", UNSERVABLE)
+        segment = self._segment(job_id, generation, store=store)
+        if segment is None:
+            if not store:
+                self._load_error(job_id, device)
+            self._results.append(TransferResult(job_id, True, 0, time.perf_counter() - start))
             return True
         host_views = segment[1]
         dev_ids = torch.from_numpy(device.block_ids.astype("int64"))
         slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
         nbytes = 0
-        for dev, host in zip(self._device, host_views, strict=True):
+        try:
+            for dev, host in zip(self._device, host_views, strict=True):
+                if store:
+                    host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids))
+                else:
+                    dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids))
+                nbytes += len(dev_ids) * dev.shape[1]
+        except (RuntimeError, IndexError) as exc:  # ids out of range: never a wrong block
             if store:
-                host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids))
-            else:
-                dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids))
-            nbytes += len(dev_ids) * dev.shape[1]
+                raise KvdError(f"kvd store job {job_id} failed to copy: {exc}") from exc
+            log.warning("kvd load job %d failed to copy, recomputed: %s", job_id, exc)
+            self._load_error(job_id, device)
+            nbytes = 0
         self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
+
+    def _segment(
+        self, job_id: int, generation: int, *, store: bool
+    ) -> tuple[Mapping, list[torch.Tensor]] | None:
+        """The mapped segment of `generation`, mapping it by name if need be;
+        None if it is gone (or the load was never pinned)."""
+        if generation == UNSERVABLE:
+            return None
+        if generation not in self._segments:
+            try:
+                self._map_by_name(generation)
+            except posix_ipc.ExistentialError:
+                log.warning(
+                    "kvd job %d: the pool's segment of generation %d is gone (its daemon "
+                    "ended): %s skipped",
+                    job_id,
+                    generation,
+                    "store" if store else "load",
+                )
+                return None
+            except (posix_ipc.Error, OSError, KvdError) as exc:
+                if store:  # its daemon is alive and would complete a store never written
+                    raise KvdError(
+                        f"kvd worker rank {self._rank} cannot map pool {self._pool!r} "
+                        f"(generation {generation}): {exc}"
+                    ) from exc
+                log.warning("kvd job %d: cannot map the pool's segment: %s", job_id, exc)
+                return None
+        return self._segments[generation]
+
+    def _load_error(self, job_id: int, device: GPULoadStoreSpec) -> None:
+        if not self.reports_load_errors:
+            raise KvdError(
+                f"kvd job {job_id}: a load kvd cannot serve, and vLLM's OffloadingConnector "
+                "cannot recompute it; run kvd with kv_connector KvdOffloadingConnector "
+                "(README, Use with vLLM)"
+            )
+        self.load_errors.update(int(b) for b in device.block_ids)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
 
     def get_finished(self) -> list[TransferResult]:
         done, self._results = self._results, []

