@@ -346,8 +346,13 @@ class Model:
                     return p.StoreTicket(rid, False)
             raise KvdError("pool is being reset", ErrorCode.MISSING)
         match req:
-            case p.Lookup(_, keys):
-                return p.LookupResult(rid, owned.index.lookup(keys))
+            case p.Lookup(_, keys, pin):
+                hits = owned.index.lookup(keys)
+                if not (pin and hits):
+                    return p.LookupResult(rid, hits)
+                owned.prepare_load(sid, keys[:hits], account=sid)  # the same step
+                self.prepared.setdefault((sid, True), []).extend(keys[:hits])
+                return p.LookupResult(rid, hits, self.slots_of(name, pm, keys[:hits]))
             case p.Touch(_, keys):
                 owned.index.touch(keys)
                 return p.Ok(rid)
@@ -775,12 +780,22 @@ class Input:
     # the one its peer had (a process coming back for its jobs); if `copying`,
     # just after the scheduler started a store that it still copies.
     rejoin: tuple[Rejoin, bool] | None = None
-    # (verb, n, req_id): a Load (Lookup, PrepareLoad, Touch) of the last n keys
+    # (verb, n, req_id): a Load (Lookup, LookupPin, PrepareLoad, Touch) of the last n keys
     # learned that are ready in pool fz when it is sent.
     ready: tuple[str, int, int] | None = None
     # (req_id, success): a CompleteLoad of every key the peer's session pinned
     # so far, then a CompleteStore of every key it began to store.
     complete: tuple[int, bool] | None = None
+
+
+def ready_request(verb: str, rid: int, keys: list[bytes], ids: list[int]) -> p.Request:
+    """The request `Input.ready` names; "LookupPin" is a `Lookup` that pins its hits."""
+    if verb == "Load":
+        return p.Load(rid, keys, ids)
+    if verb == "LookupPin":
+        return p.Lookup(rid, keys, True)
+    request: p.Request = getattr(p, verb)(rid, keys)
+    return request
 
 
 class Fuzz:
@@ -852,7 +867,7 @@ class Fuzz:
                 verb, n, rid = inp.ready
                 ks = self.model.ready_keys("fz")[-n:]
                 ids = [i % 64 for i in range(len(ks))]
-                msg = p.Load(rid, ks, ids) if verb == "Load" else getattr(p, verb)(rid, ks)
+                msg = ready_request(verb, rid, ks, ids)
                 frame = p.encoder.encode(msg)
             elif inp.complete is not None:
                 rid, success = inp.complete

@@ -259,7 +259,8 @@ def transfers(draw: st.DrawFn) -> Input:
     peer = draw(peer_of(["sched"] * 8 + ["lonely", "attacher"]))
     rid = draw(st.integers(0, 1 << 20))
     if draw(st.booleans()):
-        kind = draw(st.sampled_from(["Load"] * 3 + ["Lookup"] * 3 + ["PrepareLoad", "Touch"]))
+        kinds = ["Load"] * 3 + ["Lookup"] * 2 + ["LookupPin", "PrepareLoad", "Touch"]
+        kind = draw(st.sampled_from(kinds))
         return Input(peer, ack=ack, done=done, ready=(kind, draw(st.integers(1, 4)), rid))
     ks = draw(st.lists(st.sampled_from(KNOWN[:12]), min_size=1, max_size=4))
     fresh = st.integers(0, (1 << 64) - 1).map(lambda i: i.to_bytes(8, "big"))

@@ -22,7 +22,7 @@ msgpack outside the schema, random bytes, mutated and truncated frames,
 multipart messages, and frames over MAX_FRAME_BYTES (on throwaway sockets:
 dropped, no reply). Some inputs are resolved when sent: a JobDone for a job
 live then (hostile numbers and strings; from its worker, the impostor,
-non-workers), a Load, Lookup, PrepareLoad or Touch of keys ready then, the
+non-workers), a Load, Lookup (pinning or not), PrepareLoad or Touch of keys ready then, the
 completion of what a scheduler holds, and a worker reconnect, with or
 without the same instance, while a store is being copied. Resets and drops
 come from sessions with and without authority, CheckInvariants with and
@@ -59,7 +59,7 @@ from hypothesis import strategies as st
 
 from kvd_client import protocol as p
 from kvd_tools.launcher import DaemonProcess
-from tests.integration.fuzz_model import FLAGS, FZ, FZ_CAPACITY, HOMES, Fuzz, Input
+from tests.integration.fuzz_model import FLAGS, FZ, FZ_CAPACITY, HOMES, Fuzz, Input, ready_request
 from tests.integration.fuzz_strategies import ADMIN_TOKEN, KNOWN, inputs
 
 NUM_INPUTS = int(os.environ.get("KVD_FUZZ_EXAMPLES", "10000"))
@@ -267,7 +267,7 @@ class Unchecked:
         elif inp.ready is not None:
             verb, n, rid = inp.ready
             ks = KNOWN[:n]
-            msg = p.Load(rid, ks, list(range(n))) if verb == "Load" else getattr(p, verb)(rid, ks)
+            msg = ready_request(verb, rid, ks, list(range(n)))
             self.ask(inp.peer, msg)
         elif inp.complete is not None:
             rid, success = inp.complete

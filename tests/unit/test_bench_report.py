@@ -146,6 +146,9 @@ def test_markdown_table_columns_and_alignment() -> None:
     ]
     assert markdown_table([]) == "(no rows)"
     assert render("x", [{"a": 1}], ["footer"]).endswith("| 1 |\n\nfooter\n")
+    # Parts whose rows start with another field get a table each; extra fields do not split.
+    two = render("x", [{"a": 1}, {"a": 2, "b": 3}, {"c": 4}]).split("\n\n")
+    assert [t.splitlines()[0] for t in two[1:]] == ["| a | b |", "| c |"]
 
 
 @pytest.mark.parametrize(

@@ -85,9 +85,23 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join([line(columns), rule, *(line(c) for c in cells)])
 
 
+def row_groups(rows: Sequence[Row]) -> list[list[Row]]:
+    """Runs of consecutive rows whose first field is the same: a suite with parts
+    of different shapes (`kvd bench vllm`) prints one table a part."""
+    groups: list[list[Row]] = []
+    for row in rows:
+        if groups and next(iter(groups[-1][0]), None) == next(iter(row), None):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
 def render(suite: str, rows: Sequence[Row], summary: Sequence[str] = ()) -> str:
-    """The printed section of one suite: a heading, its table, then its summary lines."""
-    parts = [f"### kvd bench {suite}", "", markdown_table(rows)]
+    """The printed section of one suite: a heading, its tables, then its summary lines."""
+    parts = [f"### kvd bench {suite}"]
+    for group in row_groups(rows) or [[]]:
+        parts += ["", markdown_table(group)]
     if summary:
         parts += ["", *summary]
     return "\n".join(parts) + "\n"

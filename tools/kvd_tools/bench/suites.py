@@ -282,16 +282,16 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--turns",
         type=positive_int,
-        default=4,
+        default=3,
         metavar="N",
-        help="turns per conversation in the multi-turn part (default: 4)",
+        help="turns per conversation in the multi-turn part (default: 3)",
     )
     parser.add_argument(
         "--gpu-blocks",
         type=positive_int,
-        default=256,
+        default=128,
         metavar="N",
-        help="vLLM's own KV cache in 32-token blocks, multi-turn (default: 256)",
+        help="vLLM's own KV cache in 32-token blocks, multi-turn (default: 128)",
     )
     parser.add_argument("--parts", default="ttft,scheduler,multiturn", metavar="P,...",
                         help="which parts to run (default: ttft,scheduler,multiturn)")  # fmt: skip

@@ -38,6 +38,34 @@ TINY_LLAMA: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# A tiny DeepSeek-V2: MLA attention (one latent KV shared by all heads, so
+# vLLM's TP ranks hold the same KV: its replicated layout), dense MLPs only.
+TINY_DEEPSEEK: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 64,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 
