@@ -59,6 +59,9 @@ class Scheduler:
         self._results_lock = threading.Lock()
         self._outstanding: set[int] = set()
         self._lost: list[p.JobResult] = []
+        # Sessions attached so far: what a session holds (pins, prepared stores)
+        # is gone with it, and a restarted daemon numbers its sessions afresh.
+        self.epoch = 0
         self._conn = Connection(
             endpoint or default_endpoint(),
             role="scheduler",
@@ -82,6 +85,7 @@ class Scheduler:
                 reply.generation,
             )
         self.attached = reply
+        self.epoch += 1
 
     def _lose_jobs(self) -> None:
         with self._results_lock:
@@ -153,17 +157,20 @@ class Scheduler:
             reply.keys_to_store, LoadStoreSpec(reply.slots), reply.evicted_keys
         )
 
-    def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> None:
-        self._quiet(p.CompleteStore, as_keys(keys), success)
+    def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> bool:
+        """Whether the daemon took the completion (False when disconnected: the
+        daemon rolls the session's stores back, and the blocks never become ready)."""
+        return self._quiet(p.CompleteStore, as_keys(keys), success)
 
-    def _quiet(self, cls: type, *args: object) -> None:
+    def _quiet(self, cls: type, *args: object) -> bool:
         # Disconnected: the daemon rolled the session back already; nothing to do.
         if not self.connected:
-            return
+            return False
         try:
             self._call(cls, *args)
         except Unavailable:
-            return
+            return False
+        return True
 
     # -- transfer jobs ---------------------------------------------------------
 

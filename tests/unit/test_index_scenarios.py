@@ -607,3 +607,15 @@ def test_check_invariants_detects_corruption(policy: str) -> None:
     stored(idx, [A, B])
     idx.policy.insert([3], [X])  # the index has slot 3 free
     assert idx.check_invariants() != []
+
+
+def test_pin_counts_stay_64_bit_after_a_reset() -> None:
+    index = BlockIndex(4)
+    index.reset()
+    assert index._refs.typecode == "q"  # a reset must not narrow the counters
+    out = index.prepare_store([b"k"])
+    assert out is not None
+    index.complete_store([b"k"])
+    index._refs[0] = (1 << 31) - 1  # as many pins as a 32-bit counter holds
+    index.prepare_load([b"k"])
+    assert index.ref_cnt(b"k") == 1 << 31

@@ -24,7 +24,7 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_tools.launcher import DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess, stop_group
-from kvd_tools.vllm_harness.engine import kv_transfer_config, write_model
+from kvd_tools.vllm_harness.engine import TINY_DEEPSEEK, kv_transfer_config, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prompts that share a 256-token prefix (8 blocks of 32), then differ.
@@ -34,6 +34,33 @@ PROMPTS = [PREFIX + [(i * 11 + j * 101) % 1000 + 3 for i in range(96)] for j in 
 
 def start_engine(model: str, kvd: dict[str, Any] | None, tp: int = 1) -> EngineProcess:
     return EngineProcess({"model": model, "kvd": kvd, "tp": tp})
+
+
+# A block of the tiny Llama: 2 layers x (K, V) x 2 KV heads x 64 dims x 32 tokens x 2 bytes.
+PAGE_BYTES = 2 * 2 * 2 * 64 * 32 * 2
+
+
+def loaded_bytes(engine: EngineProcess, at_least: float = 0.0) -> float:
+    """Bytes vLLM's connector loaded from kvd (vLLM's `vllm:kv_offload_load_bytes`);
+    vLLM's stats reach its metrics a little late, so this waits up to 15 s for `at_least`."""
+    deadline = time.monotonic() + 15
+    while True:
+        value = float(engine.metrics().get("vllm:kv_offload_load_bytes", 0.0))
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def pool_info(daemon: DaemonProcess, name: str) -> p.PoolInfo:
+    conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=2000)
+    conn.connect()
+    try:
+        pools = conn.call(p.Pools)
+        assert isinstance(pools, p.PoolsResult)
+        (info,) = [pi for pi in pools.pools if pi.name == name]
+        return info
+    finally:
+        conn.close()
 
 
 def counters(daemon: DaemonProcess) -> dict[str, int]:
@@ -84,10 +111,16 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
         stored = counters(daemon)
         assert stored.get("blocks_stored", 0) >= 8  # the shared prefix, at least
         first.reset_prefix_cache()  # vLLM's own cache is empty now
+        loaded = loaded_bytes(first)
         assert first.generate(PROMPTS) == reference
         after = counters(daemon)
-        assert after.get("hit_blocks", 0) >= 8 * len(PROMPTS)
+        assert after.get("hit_blocks", 0) >= 8  # the shared prefix (once: vLLM caches it)
         assert after.get("loaded_blocks", 0) >= 8
+        # vLLM's own figures: the bytes were copied in, none was handed back to recompute.
+        assert loaded_bytes(first, loaded + 8 * PAGE_BYTES) - loaded >= 8 * PAGE_BYTES
+        figures = first.metrics()
+        assert figures["vllm:kv_offload_kvd_lookup_hit_keys"] >= 8
+        assert figures.get("vllm:kv_offload_kvd_unservable_loads", 0) == 0
         # A second engine at the same time shares the pool: it hits what the first stored.
         second = start_engine(model, kvd_config(daemon))
         try:
@@ -96,6 +129,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
             both = counters(daemon)
             assert both["hit_blocks"] - before.get("hit_blocks", 0) >= 8
             assert both["loaded_blocks"] - before.get("loaded_blocks", 0) >= 8
+            assert loaded_bytes(second, 8 * PAGE_BYTES) >= 8 * PAGE_BYTES
         finally:
             second.stop()
     finally:
@@ -106,8 +140,11 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
         before = counters(daemon)
         assert restarted.generate(PROMPTS) == reference
         now = counters(daemon)
-        assert now["hit_blocks"] - before["hit_blocks"] >= 8 * len(PROMPTS)
+        assert (
+            now["hit_blocks"] - before["hit_blocks"] >= 8
+        )  # the shared prefix (once: vLLM caches it)
         assert now["loaded_blocks"] - before["loaded_blocks"] >= 8
+        assert loaded_bytes(restarted, 8 * PAGE_BYTES) >= 8 * PAGE_BYTES
     finally:
         restarted.stop()
 
@@ -154,17 +191,12 @@ def test_tensor_parallel_two_ranks_share_one_sharded_pool(
         engine.reset_prefix_cache()
         before = counters(daemon)
         assert engine.generate(PROMPTS) == reference
-        assert counters(daemon)["hit_blocks"] - before["hit_blocks"] >= 8 * len(PROMPTS)
-        conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=2000)
-        conn.connect()
-        try:
-            pools = conn.call(p.Pools)
-            assert isinstance(pools, p.PoolsResult)
-            (info,) = [pi for pi in pools.pools if pi.name == "tp2"]
-            assert info.layout.world_size == 2 and not info.layout.replicated
-            assert info.blocks_ready >= 8
-        finally:
-            conn.close()
+        assert (
+            counters(daemon)["hit_blocks"] - before["hit_blocks"] >= 8
+        )  # the shared prefix (once: vLLM caches it)
+        info = pool_info(daemon, "tp2")
+        assert info.layout.world_size == 2 and not info.layout.replicated
+        assert info.blocks_ready >= 8
     finally:
         engine.stop()
 
@@ -218,3 +250,26 @@ def test_the_openai_server_with_the_readme_command(daemon: DaemonProcess, model:
             time.sleep(0.2)
     finally:
         stop_group(server)
+
+
+def test_mla_under_tp2_stores_one_replicated_copy(
+    daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A tiny DeepSeek-V2 (MLA): vLLM's replicated layout, so one copy in a replicated pool."""
+    model = write_model(tmp_path_factory.mktemp("tiny-deepseek"), TINY_DEEPSEEK)
+    plain = start_engine(model, None, tp=2)
+    try:
+        reference = plain.generate(PROMPTS)
+    finally:
+        plain.stop()
+    engine = start_engine(model, {**kvd_config(daemon), "kvd_pool": "mla"}, tp=2)
+    try:
+        assert engine.generate(PROMPTS) == reference
+        engine.reset_prefix_cache()
+        assert engine.generate(PROMPTS) == reference
+        assert loaded_bytes(engine, 1) > 0
+        info = pool_info(daemon, "mla")
+        assert info.layout.world_size == 2 and info.layout.replicated
+        assert info.blocks_ready >= 8
+    finally:
+        engine.stop()

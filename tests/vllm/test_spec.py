@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 import torch
 from vllm.v1.kv_offload.base import (
@@ -24,7 +27,7 @@ from kvd_client.paths import read_admin_token
 from kvd_client.vllm import KvdOffloadingSpec
 from kvd_client.vllm.manager import UNSERVABLE, KvdLoadStoreSpec
 from kvd_client.vllm.pool import choose_pool
-from kvd_client.vllm.worker import KvdOffloadingWorker
+from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
 from kvd_tools.vllm_harness.offload_config import offloading_config as config
 
@@ -195,3 +198,97 @@ def test_events_name_this_engines_stores_and_evictions_when_vllm_asks() -> None:
         ]
         assert list(manager.take_events()) == []
         manager.shutdown()
+
+
+def pinned(d: DaemonProcess, pool: str) -> int:
+    conn = Connection(d.endpoint, role="admin", keeper=False, timeout_ms=2000)
+    conn.connect()
+    try:
+        reply = conn.call(p.Pools)
+        assert isinstance(reply, p.PoolsResult)
+        return next(pi.blocks_pinned for pi in reply.pools if pi.name == pool)
+    finally:
+        conn.close()
+
+
+def registered(ctx: ReqContext, keys: list[bytes]) -> ReqContext:
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (i + 1) * 32)  # type: ignore[arg-type]
+    return ctx
+
+
+def test_one_round_trip_a_request_a_step_even_while_a_key_is_being_stored() -> None:
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        manager = spec.get_manager()
+        keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(10, 20)]
+        writer = ReqContext("w")
+        assert manager.prepare_store(keys[:1], writer) is not None  # type: ignore[arg-type]
+        ctx = registered(ReqContext("r"), keys)
+        assert {manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}  # type: ignore[arg-type]
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()["vllm:kv_offload_kvd_lookup_rpcs"] == 1
+        manager.complete_store(keys[:1], writer)  # type: ignore[arg-type]
+        assert manager.lookup(keys[0], ctx) is LookupResult.RETRY  # type: ignore[arg-type]
+        manager.on_schedule_end(None)  # the next step may ask the daemon again
+        assert manager.lookup(keys[0], ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        assert manager.lookup(keys[1], ctx) is LookupResult.MISS  # type: ignore[arg-type]
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()["vllm:kv_offload_kvd_lookup_rpcs"] == 1
+        manager.shutdown()
+
+
+def test_pins_start_at_the_first_key_vllm_asks_and_unloaded_ones_go_at_the_load() -> None:
+    tensor = torch.zeros((16, 4096), dtype=torch.int8)
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        manager, worker = store_and_pin(spec, tensor, ReqContext("first"))
+        manager.on_request_finished(ReqContext("first"))
+        assert pinned(d, spec.choice.name) == 0
+        # vLLM's own cache holds block 0: it asks from key 1, so kvd pins keys 1 and 2 only.
+        ctx = registered(ReqContext("r"), KEYS)
+        assert manager.lookup(KEYS[1], ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        assert manager.lookup(KEYS[2], ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        assert pinned(d, spec.choice.name) == 2
+        spec_ = manager.prepare_load(KEYS[1:2], ctx)  # type: ignore[arg-type]
+        assert pinned(d, spec.choice.name) == 1  # key 2's pin went: vLLM does not load it
+        assert worker.submit_load(1, spec_, device([9]))
+        assert tensor[9, 0].item() == 2
+        manager.complete_load(KEYS[1:2], ctx)  # type: ignore[arg-type]
+        assert pinned(d, spec.choice.name) == 0
+        manager.shutdown()
+        worker.shutdown()
+
+
+def test_pins_of_a_daemon_that_restarted_are_not_trusted() -> None:
+    tensor = torch.zeros((16, 4096), dtype=torch.int8)
+    d = DaemonProcess(lease_ms="3000").start()
+    try:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        ctx = ReqContext("r")
+        manager, worker = store_and_pin(spec, tensor, ctx)
+        scheduler = spec.get_manager()._scheduler  # type: ignore[attr-defined]
+        epoch = scheduler.epoch
+        d.kill(signal.SIGKILL)
+        d.start()  # cold: the pool is empty, the old pins are gone
+        deadline = time.monotonic() + 30
+        while not (scheduler.connected and scheduler.epoch > epoch):
+            assert time.monotonic() < deadline, "the plug-in never reconnected"
+            time.sleep(0.05)
+        lost = manager.prepare_load(KEYS, ctx)  # type: ignore[arg-type]
+        assert isinstance(lost, KvdLoadStoreSpec) and lost.generation == UNSERVABLE
+        manager.on_schedule_end(None)
+        assert manager.lookup(KEYS[0], ctx) is LookupResult.MISS  # type: ignore[arg-type]
+        manager.shutdown()
+        worker.shutdown()
+    finally:
+        d.stop()
+
+
+def test_an_engine_kvd_cannot_hold_gets_an_idle_worker_not_an_exception() -> None:
+    spec = KvdOffloadingSpec(config(blocks_per_chunk=2))
+    worker = spec.get_worker(kv_caches_of(torch.zeros((4, 4096), dtype=torch.int8)))
+    assert isinstance(worker, IdleWorker)
+    assert worker.submit_load(1, KvdLoadStoreSpec([0], 0), device([3]))
+    assert [r.success for r in worker.get_finished()] == [True]
+    assert worker.take_load_errors() == {3}

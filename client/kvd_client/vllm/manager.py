@@ -60,13 +60,23 @@ class KvdLoadStoreSpec(CPULoadStoreSpec):
 
 
 @dataclass
+class _Pin:
+    slot: int
+    generation: int  # of the pool's segment the slot is in
+    session: int | None  # the `Scheduler.epoch` of the session holding the pin
+
+
+@dataclass
 class _Request:
-    """What one request's lookup found: its keys in prefix order and the pinned hits."""
+    """What one request's last lookup found: the keys sent (in prefix order,
+    from the first one vLLM asked about) and the pinned leading hits."""
 
     keys: list[bytes]
-    hits: int | None  # None: a key is still being stored, look again next step
-    # key -> (slot, generation of the pool's segment the slot is in)
-    pinned: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    registered: int  # keys vLLM had registered for the request then
+    step: int  # the scheduler step of that lookup
+    hits: int | None = 0  # None: a key is being stored, look again next step
+    failed: bool = False  # the daemon did not answer: look again next step
+    pinned: dict[bytes, _Pin] = field(default_factory=dict)
     index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys
 
 
@@ -74,7 +84,9 @@ class KvdOffloadingManager(OffloadingManager):
     def __init__(self, scheduler: Scheduler | None, *, enable_events: bool = False) -> None:
         self._scheduler = scheduler  # None: offloading off for this engine
         self._requests: dict[str, _Request] = {}
+        self._step = 0  # scheduler steps so far (`on_schedule_end`)
         self._counters = KvdCounters()
+        self._warned_no_pin = False
         # What this engine stored and evicted, for vLLM's KV events; the daemon
         # publishes the whole pool's (every engine's) on its own socket.
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -84,43 +96,75 @@ class KvdOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._scheduler is None:
             return LookupResult.MISS
+        key = bytes(key)
         state = self._requests.get(req_context.req_id)
-        registered = len(getattr(req_context, "_offload_key_positions", ()))
-        if state is None or state.hits is None or registered != len(state.keys):
-            state = self._look_up(req_context, state)  # once per request and step at most
+        if state is None or (state.step != self._step and self._stale(state, key, req_context)):
+            state = self._look_up(req_context, state, key)  # once per request and step at most
         if state.hits is None:
             return LookupResult.RETRY
+        pin = state.pinned.get(key)
+        return LookupResult.HIT if pin is not None and self._valid(pin) else LookupResult.MISS
+
+    def _stale(self, state: _Request, key: bytes, ctx: ReqContext) -> bool:
+        """Whether a new step should look the request up again."""
+        registered = len(getattr(ctx, "_offload_key_positions", ()))
         return (
-            LookupResult.HIT
-            if state.index.get(key, state.hits) < state.hits
-            else (LookupResult.MISS)
+            state.hits is None
+            or state.failed
+            or registered != state.registered
+            or key not in state.index
+            or any(not self._valid(pin) for pin in state.pinned.values())
         )
 
-    def _look_up(self, ctx: ReqContext, old: _Request | None) -> _Request:
+    def on_schedule_end(self, context: object) -> None:
+        self._step += 1
+
+    def _session(self) -> int | None:
+        """This session with the daemon (`Scheduler.epoch`); None while disconnected."""
+        if self._scheduler is None or not self._scheduler.connected:
+            return None
+        return self._scheduler.epoch
+
+    def _valid(self, pin: _Pin) -> bool:
+        """A pin of another session (the plug-in reconnected since) may be gone."""
+        return pin.session is not None and pin.session == self._session()
+
+    def _look_up(self, ctx: ReqContext, old: _Request | None, first: bytes) -> _Request:
         assert self._scheduler is not None
         if old is not None:
             self._unpin(old, list(old.pinned))
         positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
-        keys = [bytes(k) for k, _ in sorted(positions.items(), key=lambda kv: kv[1])]
-        state = _Request(keys, 0, index={k: i for i, k in enumerate(keys)})
+        ordered = [bytes(k) for k, _ in sorted(positions.items(), key=lambda kv: kv[1])]
+        # Keys before the first one vLLM asks about are in vLLM's own cache.
+        start = ordered.index(first) if first in ordered else len(ordered)
+        keys = ordered[start:] if first in ordered else [first]
+        state = _Request(keys, len(ordered), self._step, index={k: i for i, k in enumerate(keys)})
         self._requests[ctx.req_id] = state
-        if not keys:
-            return state
         self._counters.add("lookup_rpcs")
         self._counters.add("lookup_keys", len(keys))
         try:
             hits, spec = self._scheduler.lookup_and_pin(keys)  # one round trip
-            state.hits = hits
-            if hits:
-                generation = self._generation()
-                pins = zip(keys[:hits], spec.slots, strict=True)
-                state.pinned = {key: (slot, generation) for key, slot in pins}
-                self._counters.add("lookup_hit_keys", hits)
-        except KvdError as exc:  # missing (evicted meanwhile), pin cap, daemon gone
+        except KvdError as exc:  # the pin cap, a reset, the daemon refusing
             log.info("kvd lookup of request %s answered as a miss: %s", ctx.req_id, exc)
             self._counters.add("daemon_errors")
+            state.failed = True
+            return state
+        if not self._scheduler.connected:
+            state.failed = True  # answered 0 without asking: try again next step
+        state.hits = hits
+        if hits and len(spec.slots) != hits:  # a daemon that does not pin at lookup
+            if not self._warned_no_pin:
+                log.warning("kvd daemon did not pin the hits it found (older than the client?)")
+                self._warned_no_pin = True
+            if spec.slots:
+                self._scheduler.complete_load(keys[: len(spec.slots)])
             state.hits = 0
-            state.pinned = {}
+            return state
+        if hits:
+            generation, session = self._generation(), self._session()
+            for key, slot in zip(keys[:hits], spec.slots, strict=True):
+                state.pinned[key] = _Pin(slot, generation, session)
+            self._counters.add("lookup_hit_keys", hits)
         return state
 
     # -- loads -------------------------------------------------------------------
@@ -129,20 +173,26 @@ class KvdOffloadingManager(OffloadingManager):
         wanted = [bytes(k) for k in keys]
         state = self._requests.get(req_context.req_id)
         if state is None:
-            state = self._requests[req_context.req_id] = _Request([], 0)
+            state = self._requests[req_context.req_id] = _Request([], 0, self._step)
+        if not wanted:
+            return KvdLoadStoreSpec([], self._generation())
+        # Pins vLLM will not load (its own cache has those blocks) go now.
+        self._unpin(state, [k for k in state.pinned if k not in set(wanted)])
         pins = [state.pinned.get(k) for k in wanted]
-        generations = {pin[1] for pin in pins if pin is not None}
-        if None in pins or len(generations) > 1:  # one spec names one segment
+        if (
+            any(pin is None or not self._valid(pin) for pin in pins)
+            or len({pin.generation for pin in pins if pin is not None}) > 1
+        ):  # one spec names one segment, pinned by this session
             self._unpin(state, [k for k in wanted if k in state.pinned])
             if not self._pin(state, wanted):
                 self._counters.add("unservable_loads")
                 return KvdLoadStoreSpec([0] * len(wanted), UNSERVABLE)
-        slots = [state.pinned[k] for k in wanted]
-        return KvdLoadStoreSpec([slot for slot, _ in slots], slots[0][1] if slots else UNSERVABLE)
+        got = [state.pinned[k] for k in wanted]
+        return KvdLoadStoreSpec([pin.slot for pin in got], got[0].generation)
 
     def _pin(self, state: _Request, keys: list[bytes]) -> bool:
-        """Pins `keys`, which vLLM loads without a pin (a reset took it): true if
-        they are now pinned, all in the pool's current segment."""
+        """Pins `keys`, which vLLM loads without a valid pin (a reset or a reconnect
+        took it): true if they are now pinned, all in the pool's current segment."""
         if self._scheduler is None:
             return False
         try:
@@ -151,9 +201,9 @@ class KvdOffloadingManager(OffloadingManager):
             log.info("kvd cannot serve a load vLLM asked for, recomputed: %s", exc)
             self._counters.add("daemon_errors")
             return False
-        generation = self._generation()
+        generation, session = self._generation(), self._session()
         for key, slot in zip(keys, spec.slots, strict=True):
-            state.pinned[key] = (slot, generation)
+            state.pinned[key] = _Pin(slot, generation, session)
         return True
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -173,13 +223,15 @@ class KvdOffloadingManager(OffloadingManager):
         return attached.generation if attached is not None else 0
 
     def _unpin(self, state: _Request, keys: list[bytes]) -> None:
-        if not keys or self._scheduler is None:
-            return
+        """Releases the pins of `keys`; those of an earlier session the daemon rolls back."""
+        mine = [k for k in keys if k in state.pinned and self._valid(state.pinned[k])]
         for key in keys:
             state.pinned.pop(key, None)
+        if not mine or self._scheduler is None:
+            return
         try:
-            self._scheduler.complete_load(keys)
-        except KvdError as exc:  # a reconnect rolled the pins back already
+            self._scheduler.complete_load(mine)
+        except KvdError as exc:  # a reset or a reconnect took the pins already
             log.debug("kvd complete_load skipped: %s", exc)
 
     # -- stores ------------------------------------------------------------------
@@ -215,9 +267,11 @@ class KvdOffloadingManager(OffloadingManager):
             return
         stored = [bytes(k) for k in keys]
         try:
-            self._scheduler.complete_store(stored, success)
+            accepted = self._scheduler.complete_store(stored, success)
         except KvdError as exc:  # the session changed under the store: it stays unready
             log.info("kvd complete_store refused: %s", exc)
+            accepted = False
+        if not accepted:
             self._counters.add("daemon_errors")
             return
         if success:

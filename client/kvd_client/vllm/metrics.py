@@ -4,7 +4,7 @@ vLLM's Prometheus exporter accepts only the names a spec declares
 (`OffloadingSpec.build_metric_definitions`); the manager counts into a
 `KvdCounters` and hands vLLM an `OffloadingConnectorStats` each interval
 (`get_stats`). All are counters, unlabelled. The daemon's own metrics
-(`kvd_*`, SPEC section 9) describe the pool as a whole; these describe what
+(`kvd_*`, SPEC section 8) describe the pool as a whole; these describe what
 one engine asked of it.
 """
 

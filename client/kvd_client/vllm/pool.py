@@ -38,7 +38,8 @@ def choose_pool(config: Any) -> PoolChoice:
     fingerprint = (
         f"vllm-offload;layout={config.kv_cache_layout};canonical={int(config.canonical_layout)};"
         f"groups={len(config.groups)};tp={config.parallel.tp_size};pp={config.parallel.pp_size};"
-        f"pcp={config.parallel.pcp_size};dcp={config.parallel.dcp_size}"
+        f"pcp={config.parallel.pcp_size};dcp={config.parallel.dcp_size};"
+        f"weights={extra.get('kvd_weights', '')}"
     )
     layout = Layout(
         model=config.model.name,

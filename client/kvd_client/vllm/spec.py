@@ -28,7 +28,7 @@ from kvd_client.settings import ClientSettings
 from kvd_client.vllm.manager import KvdOffloadingManager
 from kvd_client.vllm.metrics import metric_definitions
 from kvd_client.vllm.pool import choose_pool
-from kvd_client.vllm.worker import KvdOffloadingWorker
+from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 
 log = logging.getLogger("kvd_client.vllm")
 LOOKUP_TIMEOUT_MS = 500  # the scheduler waits at most this on a stalled daemon
@@ -50,6 +50,10 @@ class KvdOffloadingSpec(OffloadingSpec):
         self._worker: OffloadingWorker | None = None
 
     def _refusal(self) -> str | None:
+        """Why kvd cannot hold this engine's KV, or None; the same answer in the
+        scheduler and in every worker, since all read the same config."""
+        if self.extra_config.get("kvd_refuse"):
+            return str(self.extra_config["kvd_refuse"])  # set by KvdOffloadingConnector
         if len(self.config.groups) != 1:
             return f"{len(self.config.groups)} KV cache groups (kvd holds one)"
         if self.config.canonical_layout:
@@ -85,6 +89,12 @@ class KvdOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
+            refusal = self._refusal()
+            if refusal is not None:  # the manager is off too: no job comes
+                log.warning("kvd offloading off for worker rank %d: %s", self.config.parallel.rank,
+                            refusal)  # fmt: skip
+                self._worker = IdleWorker()
+                return self._worker
             self._worker = KvdOffloadingWorker(
                 kv_caches,
                 endpoint=self.endpoint,
@@ -92,7 +102,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 layout=self.choice.layout,
                 engine_id=self.config.engine_id,
                 rank=self.config.parallel.rank,
-                blocks_per_chunk=self.blocks_per_chunk,
                 capacity_bytes=self.choice.capacity_bytes,
             )
         return self._worker

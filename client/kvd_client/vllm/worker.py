@@ -65,17 +65,15 @@ class KvdOffloadingWorker(OffloadingWorker):
         layout: p.Layout,
         engine_id: str,
         rank: int,
-        blocks_per_chunk: int,
         capacity_bytes: int | None = None,
     ) -> None:
-        if blocks_per_chunk != 1:
-            raise BadRequest(
-                f"kvd offloading needs one device block per offload chunk, got {blocks_per_chunk}"
-            )
+        # One device block a chunk: the spec turns offloading off otherwise.
         self._device = [t.tensor.view(torch.int8).view(t.tensor.shape[0], -1)
                         for t in kv_caches.tensors]  # fmt: skip
         pages = [d.shape[1] for d in self._device]
         if sum(pages) != layout.slot_bytes:
+            # The scheduler side is on and would complete stores this worker
+            # could not write, so this stops the engine at start, clearly.
             raise BadRequest(
                 f"vLLM's pages ({sum(pages)} bytes a block) do not fill the pool's "
                 f"slot of {layout.slot_bytes} bytes"
@@ -158,6 +156,9 @@ class KvdOffloadingWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(pool, CPULoadStoreSpec)
         start = time.perf_counter()
+        if len(device.block_ids) == 0:  # nothing to copy, no segment to map
+            self._results.append(TransferResult(job_id, True, 0, 0.0))
+            return True
         generation = getattr(pool, "generation", UNSERVABLE)
         segment = self._segment(job_id, generation, store=store)
         if segment is None:
@@ -166,15 +167,16 @@ class KvdOffloadingWorker(OffloadingWorker):
             self._results.append(TransferResult(job_id, True, 0, time.perf_counter() - start))
             return True
         host_views = segment[1]
-        dev_ids = torch.from_numpy(device.block_ids.astype("int64"))
+        ids = torch.from_numpy(device.block_ids.astype("int64"))
         slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
         nbytes = 0
         try:
             for dev, host in zip(self._device, host_views, strict=True):
+                dev_ids = ids.to(dev.device)  # a GPU's pages go through host memory
                 if store:
-                    host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids))
+                    host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids).cpu())
                 else:
-                    dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids))
+                    dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids).to(dev.device))
                 nbytes += len(dev_ids) * dev.shape[1]
         except (RuntimeError, IndexError) as exc:  # ids out of range: never a wrong block
             if store:
@@ -240,3 +242,35 @@ class KvdOffloadingWorker(OffloadingWorker):
             _, (mapping, views) = self._segments.popitem()
             del views
             mapping.close()
+
+
+class IdleWorker(OffloadingWorker):
+    """The worker of an engine kvd cannot hold: the manager is off, so no job comes;
+    one that did would be answered at once, a load as not served (`load_errors`)."""
+
+    def __init__(self) -> None:
+        self._results: list[TransferResult] = []
+        self.load_errors: set[int] = set()
+        self.reports_load_errors = False
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        self._results.append(TransferResult(job_id, True, 0, 0.0))
+        return True
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        self.load_errors.update(int(b) for b in dst_spec.block_ids)
+        self._results.append(TransferResult(job_id, True, 0, 0.0))
+        return True
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._results = self._results, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        return

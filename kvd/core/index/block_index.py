@@ -236,7 +236,7 @@ class BlockIndex:
         self._slot_of.clear()
         self._key_at = [None] * n
         self._ready = bytearray(n)
-        self._refs = array("i", bytes(4 * n))
+        self._refs = array("q", bytes(8 * n))  # 64-bit, as at start
         self._free = array("i")
         self._next_fresh = 0
         self._num_not_ready = 0

@@ -21,7 +21,8 @@ Three parts, each on real vLLM (the CPU build here) and a private kvd daemon:
   cache holds about one conversation (`--gpu-blocks`): vLLM alone, vLLM with
   kvd's connector and no daemon (every lookup misses: what the connector
   itself changes), and with kvd. Rows: `workload`, `connector`, `requests`, `requests_per_s`,
-  `kvd_hit_rate` (prompt blocks loaded from kvd over prompt blocks),
+  `kvd_hit_rate` (prompt blocks vLLM loaded from kvd, by vLLM's own
+  `vllm:kv_offload_load_bytes`, over prompt blocks),
   `tokens_equal` (against the run without kvd).
 """
 
@@ -55,6 +56,12 @@ BENCH_LLAMA: dict[str, Any] = {
     "max_position_embeddings": 16384,
 }
 STORE_WAIT_S = 60.0
+METRICS_WAIT_S = 15.0  # vLLM's stats reach its metrics a little after the request
+# Bytes of one 32-token block of BENCH_LLAMA's KV cache (K and V, every layer, bf16).
+PAGE_BYTES = (
+    BENCH_LLAMA["num_hidden_layers"] * 2 * BENCH_LLAMA["num_key_value_heads"]
+    * BENCH_LLAMA["hidden_size"] // BENCH_LLAMA["num_attention_heads"] * BLOCK_SIZE * 2
+)  # fmt: skip
 POOL_BYTES = 1 << 30  # a pool: 256k tokens of BENCH_LLAMA's 4 KiB a token
 
 
@@ -105,6 +112,16 @@ def wait_stored(daemon: DaemonProcess, at_least: int) -> None:
         time.sleep(0.05)
 
 
+def loaded_bytes(engine: EngineProcess, at_least: float = 0.0) -> float:
+    """vLLM's own count of the bytes its connector loaded (`vllm:kv_offload_load_bytes`)."""
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        value = float(engine.metrics().get("vllm:kv_offload_load_bytes", 0.0))
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.25)
+
+
 def kvd_extra(daemon: DaemonProcess, pool: str, capacity: int) -> dict[str, Any]:
     return {"kvd_endpoint": daemon.endpoint, "kvd_pool": pool, "kvd_capacity_bytes": capacity}
 
@@ -134,9 +151,13 @@ def ttft_rows(args: argparse.Namespace, daemon: DaemonProcess, model: str) -> li
             kvd_s, again = [], []
             for _ in range(3):
                 engine.reset_prefix_cache()  # vLLM's own cache is empty: kvd serves it
+                before = loaded_bytes(engine)
                 tokens, seconds = engine.timed([prompt], 1)
                 kvd_s.append(seconds)
                 again.append(tokens == first)
+                want = before + (n // BLOCK_SIZE - 1) * PAGE_BYTES
+                if loaded_bytes(engine, want) < want:
+                    raise SuiteError(f"kvd did not serve the {n}-token prefix to vLLM")
             ttft_kvd = statistics.median(kvd_s)
             rows.append({
                 "prompt_tokens": n,
@@ -263,14 +284,14 @@ def multiturn_rows(
         engine = EngineProcess(config)
         try:
             engine.timed(random_prompts(1, 256, BENCH_LLAMA["vocab_size"], seed=0), 1)
-            before = counters(daemon).get("loaded_blocks", 0)
             tokens: list[list[int]] = []
             total = 0.0
             for prompt in prompts:
                 out, seconds = engine.timed([prompt], 16)
                 tokens += out
                 total += seconds
-            loaded = counters(daemon).get("loaded_blocks", 0) - before
+            time.sleep(METRICS_WAIT_S / 3)  # let vLLM's last stats reach its metrics
+            loaded = loaded_bytes(engine) / PAGE_BYTES if extra is not None else 0.0
             if connector == "kvd" and loaded == 0:
                 raise SuiteError(f"kvd served no block to vLLM:\n{engine.log_tail()}")
         finally:

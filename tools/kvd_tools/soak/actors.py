@@ -208,7 +208,9 @@ class Actor:
 
     # -- helpers ---------------------------------------------------------------
 
-    def _complete(self, call: str, fn: Callable[[], None], before: tuple[int, int] | None) -> None:
+    def _complete(
+        self, call: str, fn: Callable[[], object], before: tuple[int, int] | None
+    ) -> None:
         """A completion of this session's own work: it must succeed while the session lasts."""
         self._count(call, None)
         try:

@@ -77,6 +77,11 @@ class EngineProcess:
         reply = self.ask({"prompts": prompts, "max_tokens": max_tokens})
         return reply["tokens"], float(reply["seconds"])
 
+    def metrics(self) -> dict[str, float]:
+        """vLLM's own `vllm:kv_offload*` counters (the connector's and kvd's figures)."""
+        figures: dict[str, float] = self.ask({"metrics": True})["metrics"]
+        return figures
+
     def reset_prefix_cache(self) -> None:
         if self.ask({"reset_prefix_cache": True}) != {"ok": True}:
             raise RuntimeError("reset_prefix_cache was not acknowledged")

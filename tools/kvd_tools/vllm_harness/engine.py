@@ -7,6 +7,7 @@ per stdin line, on one stdout line that starts with `{`:
 
     {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
     {"reset_prefix_cache": true}                       -> {"ok": true}
+    {"metrics": true}      -> {"metrics": {name: value}}, vLLM's `vllm:kv_offload*` counters
 
 CONFIG_JSON keys: `model` (a directory), `kvd` (extra-config keys, or null for
 no connector), and optional `tp`, `max_model_len`, `num_gpu_blocks`
@@ -53,11 +54,11 @@ TINY_DEEPSEEK: dict[str, Any] = {
     "n_routed_experts": 4,
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,
-    "kv_lora_rank": 64,
+    "kv_lora_rank": 512,  # latent 512 + rope 64: the one size vLLM's CPU MLA kernel takes
     "q_lora_rank": None,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 32,
-    "v_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
     "vocab_size": 1024,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
@@ -105,6 +106,7 @@ def main(config: dict[str, Any]) -> None:
         "seed": 0,
         "block_size": BLOCK_SIZE,
         "tensor_parallel_size": config.get("tp", 1),
+        "disable_log_stats": False,  # the connector's figures reach vLLM's metrics
     }
     if config.get("num_gpu_blocks") is not None:
         kwargs["num_gpu_blocks_override"] = config["num_gpu_blocks"]
@@ -116,6 +118,11 @@ def main(config: dict[str, Any]) -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd.get("metrics"):
+            ours = [m for m in llm.get_metrics() if m.name.startswith("vllm:kv_offload")]
+            counters = {m.name: m.value for m in ours if hasattr(m, "value")}
+            print(json.dumps({"metrics": counters}), flush=True)
+            continue
         if cmd.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
             print(json.dumps({"ok": True}), flush=True)
