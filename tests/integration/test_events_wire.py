@@ -265,7 +265,8 @@ def test_store_evict_reset_drop_are_published_and_replayed(wired: Wired) -> None
 
 
 def test_vllm_offload_keys_carry_their_group(wired: Wired) -> None:
-    """36-byte keys (vLLM's block hash + 4-byte group) are published with group_idx."""
+    """36-byte keys (vLLM's block hash + 4-byte group) are published with group_idx,
+    their hash as vLLM publishes it."""
     w = wired
     seen: list[Message] = []
     sub = joined_subscriber(w, seen)
@@ -274,10 +275,13 @@ def test_vllm_offload_keys_carry_their_group(wired: Wired) -> None:
         s.prepare_store(ks)
         s.complete_store(ks)
         collect(sub, seen, lambda m: len(events_of(m, "g")) >= 3)
+    # As vLLM publishes them: the block hash without the group bytes, as the
+    # unsigned int of its low 64 bits (the daemon's default `events_int_hashes`).
+    h = [int.from_bytes(k[24:32], "big") for k in ks]
     assert events_of(seen, "g") == [
         AllBlocksCleared(),
-        stored([ks[0], ks[1]], group_idx=0),  # 36-byte keys stay bytes
-        stored([ks[2]], group_idx=1),
+        stored([h[0], h[1]], group_idx=0),
+        stored([h[2]], group_idx=1),
     ]
     sub.close()
 
