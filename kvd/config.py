@@ -62,6 +62,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # Job results a scheduler has not collected (`finished()`); the oldest go past it.
     max_pending_results: Positive = 65_536
     prefault: bool = True
+    ready_tables: bool = True  # publish each pool's ready set in shared memory (SPEC 15)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # KV events in vLLM's wire format. "" = ipc://<runtime_dir>/events.sock
     # (replay.sock); "none" disables; tcp://host:port binds TCP as well.

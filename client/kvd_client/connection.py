@@ -150,6 +150,24 @@ class Connection:
         with self._lock:
             return self._request(cls(self._take_id(), *args), self.timeout_ms)
 
+    def post(self, cls: Callable[..., Any], *args: Any) -> bool:
+        """Sends `cls(req_id, *args)` without waiting: for reports that nothing waits
+        on. Its reply is skipped when the next call reads the socket. False when
+        not connected, or when the socket's queue is full (the report is dropped)."""
+        with self._lock:
+            req_id = self._take_id()
+        frame = p.encoder.encode(cls(req_id, *args))  # outside the lock: it may be long
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                return False
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._last_sent = time.monotonic()
+            return True
+
     def _request(self, msg: p.Request, timeout_ms: int) -> p.Reply:
         sock = self._sock
         if sock is None:

@@ -22,6 +22,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65_536
 MAX_KEY_BYTES = 64
+MAX_OBSERVED_LOOKUPS = 1024  # lookups one `Observe` may report
 MAX_NAME_CHARS = 128
 MAX_LAYOUT_CHARS = 1024  # model identity and engine fingerprint
 
@@ -102,6 +103,14 @@ class Lookup(_Msg, frozen=True):
 
     keys: Keys
     pin: bool = False
+
+
+class Observe(_Msg, frozen=True):
+    """Lookups a scheduler answered from the pool's ready table (SPEC section 15),
+    reported in a batch so that the admission policy learns from them."""
+
+    lookups: Annotated[list[Keys], msgspec.Meta(max_length=MAX_OBSERVED_LOOKUPS)]
+    hits: Annotated[list[Count], msgspec.Meta(max_length=MAX_OBSERVED_LOOKUPS)] = []
 
 
 class PrepareLoad(_Msg, frozen=True):
@@ -189,6 +198,7 @@ Request = (
     Hello
     | Attach
     | Lookup
+    | Observe
     | PrepareLoad
     | Touch
     | CompleteLoad
@@ -224,6 +234,7 @@ class Attached(_Msg, frozen=True):
     slot_bytes: int
     num_slots: int
     slot_stride: int
+    ready_table: str = ""  # the pool's ready table (SPEC section 15); "" when none
 
 
 class Ok(_Msg, frozen=True):

@@ -4,6 +4,16 @@
 return types; one round trip per batch) and adds `store`, `load` and
 `finished` for engines whose TP workers use `kvd_client.Worker`.
 
+`lookup` costs no round trip where the daemon publishes the pool's ready
+table (SPEC section 15) and this process can map it: it reads the table,
+and reports its lookups to the daemon in batches (`Observe`, one message
+per `OBSERVE_BATCH` lookups or `OBSERVE_EVERY_S`, encoded and sent by a
+thread of its own without waiting for the reply), so the admission policy
+still learns. A table that cannot be mapped (an older daemon, another host,
+no permission), a reset racing the read, or `use_table=False` take the round
+trip. `prepare_load` is always a round trip, and authoritative: a block
+evicted since the lookup is refused there.
+
 When the daemon cannot be reached nothing raises into the engine's hot path:
 `lookup` answers 0 hits, `prepare_store` and `store` answer `None`, `touch`
 and the completions do nothing (the daemon already rolled the session back),
@@ -13,6 +23,7 @@ recomputes. The keeper thread reconnects and re-attaches meanwhile.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Sequence
@@ -21,10 +32,13 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError, Unavailable
 from kvd_client.paths import default_endpoint, read_admin_token, runtime_dir_of
+from kvd_client.ready_table import MappedTable, TableChanged, supported
 from kvd_client.types import LoadStoreSpec, PrepareStoreOutput, StoreTicket
 
 log = logging.getLogger("kvd_client")
 KeyLike = bytes | int
+OBSERVE_BATCH = 64  # lookups answered from the table, reported in one message
+OBSERVE_EVERY_S = 0.005  # ... or at the first lookup this long after the last report
 
 
 def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
@@ -50,8 +64,20 @@ class Scheduler:
         endpoint: str | None = None,
         capacity_bytes: int | None = None,
         timeout_ms: int = 1000,
+        use_table: bool = True,
     ) -> None:
         self.pool = pool
+        self.use_table = use_table and supported()
+        # The mapped ready table of the attached generation; the one before stays
+        # mapped too, since a lookup may still be reading it when a reconnect swaps.
+        self.table: MappedTable | None = None
+        self._old_table: MappedTable | None = None
+        # Table lookups not reported yet, as (keys, hits); the reporter thread drains
+        # it every OBSERVE_EVERY_S, or at once when OBSERVE_BATCH are waiting.
+        self._observed: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._reporter: threading.Thread | None = None
         self.layout = layout
         self.engine_id = engine_id
         self.capacity_bytes = capacity_bytes
@@ -85,7 +111,21 @@ class Scheduler:
                 reply.generation,
             )
         self.attached = reply
+        self._map_table(reply)
         self.epoch += 1
+
+    def _map_table(self, reply: p.Attached) -> None:
+        table = None
+        if self.use_table and reply.ready_table:
+            try:
+                table = MappedTable(reply.ready_table)
+                if table.generation != reply.generation:
+                    raise ValueError(f"generation {table.generation}, not {reply.generation}")
+            except (OSError, ValueError) as exc:  # gone, not ours to read, not a table
+                log.info("kvd pool %s: lookups take the round trip: ready table %s: %s",
+                         self.pool, reply.ready_table, exc)  # fmt: skip
+                table = None
+        self._old_table, self.table = self.table, table
 
     def _lose_jobs(self) -> None:
         with self._results_lock:
@@ -111,6 +151,16 @@ class Scheduler:
         """Leading keys present and ready; `None` = retry later; 0 when disconnected."""
         if not self.connected:
             return 0
+        table = self.table
+        if table is not None:
+            ks = as_keys(keys)
+            try:
+                hits = table.lookup(ks)
+            except TableChanged:
+                pass  # a reset or rebuild raced the read: ask the daemon
+            else:
+                self._observe(ks, hits)
+                return hits
         try:
             reply = self._call(p.Lookup, as_keys(keys))
         except Unavailable:
@@ -129,6 +179,35 @@ class Scheduler:
             return 0, LoadStoreSpec([])
         assert isinstance(reply, p.LookupResult)
         return reply.hits, LoadStoreSpec(reply.slots)
+
+    def _observe(self, keys: list[bytes], hits: int | None) -> None:
+        """Queues a table lookup for the reporter thread (for the admission policy
+        and the daemon's lookup counters)."""
+        self._observed.append((keys, hits or 0))
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._report, name="kvd-observe", daemon=True)
+            self._reporter.start()
+        if len(self._observed) >= OBSERVE_BATCH:
+            self._wake.set()
+
+    def _report(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(OBSERVE_EVERY_S)
+            self._wake.clear()
+            self.flush_observed()
+
+    def flush_observed(self) -> int:
+        """Sends the table lookups not reported yet (the reporter thread does this
+        every few ms; this is for shutdown and tests). Not waited for: the daemon
+        has them once it has read them. Returns how many were sent."""
+        sent = 0
+        while self._observed:
+            batch: list[tuple[list[bytes], int]] = []
+            while self._observed and len(batch) < p.MAX_OBSERVED_LOOKUPS:
+                batch.append(self._observed.popleft())
+            if self._conn.post(p.Observe, [k for k, _ in batch], [h for _, h in batch]):
+                sent += len(batch)
+        return sent
 
     def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
         """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected."""
@@ -234,6 +313,12 @@ class Scheduler:
 
     def close(self) -> None:
         """Ends the session (the daemon rolls back what it still holds)."""
+        if self._reporter is not None:
+            self._stopping.set()
+            self._wake.set()
+            self._reporter.join(timeout=5)
+        if self._observed and self.connected:
+            self.flush_observed()
         self._conn.close()
 
     def __enter__(self) -> Scheduler:

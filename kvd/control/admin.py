@@ -137,7 +137,7 @@ class PoolAdmin:
         match req:
             case p.Lookup(req_id):
                 return p.LookupResult(req_id, 0)
-            case p.Touch(req_id):
+            case p.Touch(req_id) | p.Observe(req_id):
                 return p.Ok(req_id)
             case p.PrepareStore(req_id):
                 return p.PrepareStoreResult(req_id, False)

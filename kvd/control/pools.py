@@ -17,9 +17,11 @@ from kvd.config import Config
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
 from kvd.errors import BadRequest, LayoutMismatch, NoSuchPool, TooLarge
+from kvd.io.ready_table import ReadyTableWriter
 from kvd.io.region import Manifest, SharedRegion
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Attached, Layout, PoolInfo
+from kvd_client.ready_table import table_name
 
 log = logging.getLogger("kvd.control.pools")
 
@@ -33,6 +35,7 @@ class Pool:
     region: SharedRegion
     owned: OwnedIndex
     policy: str
+    table: ReadyTableWriter | None = None  # the ready set in shared memory (SPEC 15)
     sessions: int = 0
     resetting: bool = False  # a Reset waits for the pool's copies to end
 
@@ -51,6 +54,7 @@ class Pool:
             g.slot_bytes,
             g.num_slots,
             g.slot_stride,
+            self.table.name if self.table is not None else "",
         )
 
     def info(self) -> PoolInfo:
@@ -158,7 +162,11 @@ class PoolRegistry:
             raise TooLarge(f"cannot create a segment for pool {name!r}: names in use")
         pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))
         index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
-        pool = Pool(name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy)
+        table = self._table(region, geometry.num_blocks, generation)
+        index.sink = table
+        pool = Pool(
+            name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
+        )
         self._pools[name] = pool
         log.info(
             "event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
@@ -171,9 +179,26 @@ class PoolRegistry:
         )
         return pool
 
+    def _table(
+        self, region: SharedRegion, num_blocks: int, generation: int
+    ) -> ReadyTableWriter | None:
+        """The pool's ready table, or None (configured off, or no room: lookups
+        then take the round trip, and the log says why)."""
+        if not self.config.ready_tables:
+            return None
+        name = table_name(region.name)
+        try:
+            return ReadyTableWriter(name, num_blocks, generation, gid=self._gid,
+                                    manifest=self._manifest)  # fmt: skip
+        except OSError as exc:
+            log.warning("event=ready_table_failed shm=%s error=%s", name, exc)
+            return None
+
     def drop(self, name: str) -> Pool:
         pool = self.get(name)
         del self._pools[name]
+        if pool.table is not None:
+            pool.table.close()
         pool.region.close()
         log.info("event=pool_dropped pool=%s shm=%s", name, pool.region.name)
         return pool

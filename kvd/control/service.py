@@ -28,6 +28,7 @@ from kvd_client.errors import ErrorCode
 log = logging.getLogger("kvd.control.service")
 POOL_VERBS = (  # the verbs that act on the session's pool
     p.Lookup,
+    p.Observe,
     p.PrepareLoad,
     p.Touch,
     p.CompleteLoad,
@@ -214,6 +215,14 @@ class Service:
                 spec = owned.prepare_load(sid, keys[:hits], account=sid)
                 self.counters["loaded_blocks"] += hits
                 return p.LookupResult(req_id, hits, spec.slots)
+            case p.Observe(req_id, lookups, hits):
+                for keys in lookups:  # answered from the ready table: the policy learns
+                    owned.index.observe(keys)
+                self.counters["observed_lookups"] += len(lookups)
+                self.counters["lookups"] += len(lookups)  # as if they had come here
+                self.counters["lookup_keys"] += sum(len(keys) for keys in lookups)
+                self.counters["hit_blocks"] += sum(hits)
+                return p.Ok(req_id)
             case p.Touch(req_id, keys):
                 owned.index.touch(keys)
                 return p.Ok(req_id)

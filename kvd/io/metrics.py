@@ -63,6 +63,11 @@ _COUNTERS = (
     ("kvd_lookups", "Lookup requests.", "lookups"),
     ("kvd_lookup_keys", "Keys asked for by lookups.", "lookup_keys"),
     ("kvd_hit_blocks", "Leading blocks found ready by lookups.", "hit_blocks"),
+    (
+        "kvd_observed_lookups",
+        "Lookups schedulers answered from a ready table and reported.",
+        "observed_lookups",
+    ),
     ("kvd_stores", "Store transfer jobs started.", "stores"),
     ("kvd_stores_rejected", "Store requests refused because nothing fit.", "stores_rejected"),
     ("kvd_loads", "Load transfer jobs started.", "loads"),

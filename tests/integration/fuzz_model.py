@@ -338,7 +338,7 @@ class Model:
             match req:
                 case p.Lookup():
                     return p.LookupResult(rid, 0)
-                case p.Touch():
+                case p.Touch() | p.Observe():
                     return p.Ok(rid)
                 case p.PrepareStore():
                     return p.PrepareStoreResult(rid, False)
@@ -355,6 +355,10 @@ class Model:
                 return p.LookupResult(rid, hits, self.slots_of(name, pm, keys[:hits]))
             case p.Touch(_, keys):
                 owned.index.touch(keys)
+                return p.Ok(rid)
+            case p.Observe(_, lookups):
+                for keys in lookups:
+                    owned.index.observe(keys)
                 return p.Ok(rid)
             case p.PrepareLoad(_, keys):
                 owned.prepare_load(sid, keys, account=sid)

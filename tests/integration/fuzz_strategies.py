@@ -118,6 +118,10 @@ def struct_frames(draw: st.DrawFn) -> tuple[str, p.Request, Ack, tuple[int, floa
     if kind is p.CompleteStore:
         msg: p.Request = p.CompleteStore(rid, draw(keys), draw(st.booleans()))
         return draw(peer_of(VERB_PEERS)), msg, ack, done
+    if kind is p.Observe:  # table lookups reported: their keys, and hostile counts
+        lookups = draw(st.lists(keys, max_size=3))
+        counts = draw(st.lists(st.integers(0, 70) | hostile_ints, max_size=4))
+        return draw(peer_of(VERB_PEERS)), p.Observe(rid, lookups, counts), ack, done
     if kind in POOL_VERBS:
         return draw(peer_of(VERB_PEERS)), kind(rid, draw(keys)), ack, done
     if kind is p.Hello:

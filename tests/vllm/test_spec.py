@@ -75,9 +75,13 @@ def test_an_explicit_pool_with_another_layout_is_off_not_a_crash(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with DaemonProcess() as d:
-        first = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_pool="p"))
+        first = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_pool="p")
+        )
         assert first.get_manager().prepare_store([b"a" * 36], ReqContext("r")) is not None
-        other = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_pool="p", world_size=2))
+        other = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_pool="p", world_size=2)
+        )
         manager = other.get_manager()
         assert manager.lookup(b"a" * 36, ReqContext("r")) is LookupResult.MISS  # type: ignore[arg-type]
         assert any("LAYOUT_MISMATCH" in r.message for r in caplog.records)
@@ -121,7 +125,9 @@ def kv_caches_of(tensor: torch.Tensor) -> CanonicalKVCaches:
 def test_a_load_kvd_cannot_serve_is_reported_as_load_errors_not_a_failed_transfer() -> None:
     tensor = torch.zeros((16, 4096), dtype=torch.int8)
     with DaemonProcess() as d:
-        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        spec = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
+        )
         ctx = ReqContext("r")
         manager, worker = store_and_pin(spec, tensor, ctx)
         assert isinstance(worker, KvdOffloadingWorker)
@@ -149,7 +155,9 @@ def test_a_load_kvd_cannot_serve_is_reported_as_load_errors_not_a_failed_transfe
 def test_a_load_without_a_pin_is_pinned_then_or_handed_back_to_recompute() -> None:
     tensor = torch.zeros((16, 4096), dtype=torch.int8)
     with DaemonProcess() as d:
-        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        spec = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
+        )
         ctx = ReqContext("r")
         manager, worker = store_and_pin(spec, tensor, ctx)
         manager.reset_cache()  # vLLM's reset: the pins go
@@ -182,7 +190,9 @@ def test_a_load_without_a_pin_is_pinned_then_or_handed_back_to_recompute() -> No
 
 def test_events_name_this_engines_stores_and_evictions_when_vllm_asks() -> None:
     with DaemonProcess() as d:
-        cfg = config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=2 * 4096, events=True)
+        cfg = config(
+            kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=2 * 4096, events=True
+        )
         manager = KvdOffloadingSpec(cfg).get_manager()
         ctx = ReqContext("r")
         assert manager.prepare_store(KEYS[:2], ctx) is not None  # type: ignore[arg-type]
@@ -219,7 +229,9 @@ def registered(ctx: ReqContext, keys: list[bytes]) -> ReqContext:
 
 def test_one_round_trip_a_request_a_step_even_while_a_key_is_being_stored() -> None:
     with DaemonProcess() as d:
-        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        spec = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
+        )
         manager = spec.get_manager()
         keys = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(10, 20)]
         writer = ReqContext("w")
@@ -241,7 +253,9 @@ def test_one_round_trip_a_request_a_step_even_while_a_key_is_being_stored() -> N
 def test_pins_start_at_the_first_key_vllm_asks_and_unloaded_ones_go_at_the_load() -> None:
     tensor = torch.zeros((16, 4096), dtype=torch.int8)
     with DaemonProcess() as d:
-        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        spec = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
+        )
         manager, worker = store_and_pin(spec, tensor, ReqContext("first"))
         manager.on_request_finished(ReqContext("first"))
         assert pinned(d, spec.choice.name) == 0
@@ -264,7 +278,9 @@ def test_pins_of_a_daemon_that_restarted_are_not_trusted() -> None:
     tensor = torch.zeros((16, 4096), dtype=torch.int8)
     d = DaemonProcess(lease_ms="3000").start()
     try:
-        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20))
+        spec = KvdOffloadingSpec(
+            config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
+        )
         ctx = ReqContext("r")
         manager, worker = store_and_pin(spec, tensor, ctx)
         scheduler = spec.get_manager()._scheduler  # type: ignore[attr-defined]
@@ -292,3 +308,33 @@ def test_an_engine_kvd_cannot_hold_gets_an_idle_worker_not_an_exception() -> Non
     assert worker.submit_load(1, KvdLoadStoreSpec([0], 0), device([3]))
     assert [r.success for r in worker.get_finished()] == [True]
     assert worker.take_load_errors() == {3}
+
+
+def test_with_the_ready_table_lookups_cost_no_round_trip_and_the_load_pins() -> None:
+    tensor = torch.zeros((16, 4096), dtype=torch.int8)
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_capacity_bytes=8 * 4096))
+        manager, worker = store_and_pin(spec, tensor, ReqContext("first"))
+        assert isinstance(worker, KvdOffloadingWorker)
+        worker.reports_load_errors = True
+        assert spec.get_manager()._scheduler.table is not None  # type: ignore[attr-defined]
+        stats = manager.get_stats()
+        assert stats is not None
+        assert "vllm:kv_offload_kvd_lookup_rpcs" not in stats.reduce()  # none at all
+        assert pinned(d, spec.choice.name) == 0  # nothing pinned by a lookup
+        load = manager.prepare_load(KEYS, ReqContext("first"))  # type: ignore[arg-type]
+        assert pinned(d, spec.choice.name) == 3  # pinned now, by the load
+        assert worker.submit_load(1, load, device([7, 8, 9]))
+        assert tensor[7:10, 0].tolist() == [1, 2, 3]
+        manager.complete_load(KEYS, ReqContext("first"))  # type: ignore[arg-type]
+        # Evicted between the lookup and the load: refused at the load, recomputed.
+        ctx = registered(ReqContext("late"), KEYS)
+        assert manager.lookup(KEYS[0], ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        other = [bytes([i]) * 32 + b"\0\0\0\1" for i in range(50, 58)]
+        assert manager.prepare_store(other, ReqContext("w")) is not None  # type: ignore[arg-type]
+        lost = manager.prepare_load(KEYS, ctx)  # type: ignore[arg-type]
+        assert isinstance(lost, KvdLoadStoreSpec) and lost.generation == UNSERVABLE
+        assert worker.submit_load(2, lost, device([11, 12, 13]))
+        assert worker.take_load_errors() == {11, 12, 13}
+        manager.shutdown()
+        worker.shutdown()

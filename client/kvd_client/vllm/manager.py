@@ -1,12 +1,14 @@
 """Runs in vLLM's scheduler process: vLLM's `OffloadingManager` over kvd's index verbs.
 
 vLLM asks `lookup(key)` once per key of every waiting request, every step.
-The manager answers a request's keys from one daemon round trip: at the
-request's first lookup it sends every key vLLM has registered for it (in
-prefix order), and the daemon pins the leading hits in the same round trip
-(`Scheduler.lookup_and_pin`), so a block another engine evicts between
-lookup and load cannot be lost: vLLM's `prepare_load` then takes the pinned
-slots without a round trip. The pins
+The manager looks a request up at most once a step, at its first lookup,
+from the first key vLLM asks about (those before it are in vLLM's own cache)
+to the last vLLM has registered, in prefix order. Where the pool's ready
+table is mapped (SPEC section 15) that costs no message, and the hits are
+pinned at `prepare_load` (a block evicted meanwhile is refused there and
+recomputed). Otherwise it is one round trip, which also pins the leading
+hits (`Scheduler.lookup_and_pin`), so that a block another engine evicts
+between lookup and load cannot be lost and `prepare_load` costs none. The pins
 go with `complete_load`, or with the request (`on_request_finished`). A key
 vLLM loads that holds no pin (the pins went with a reset) is pinned then; if
 that fails too, the load's spec names no segment (`UNSERVABLE`), and the
@@ -76,6 +78,7 @@ class _Request:
     step: int  # the scheduler step of that lookup
     hits: int | None = 0  # None: a key is being stored, look again next step
     failed: bool = False  # the daemon did not answer: look again next step
+    from_table: bool = False  # answered from the ready table: hits not pinned yet
     pinned: dict[bytes, _Pin] = field(default_factory=dict)
     index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys
 
@@ -102,6 +105,12 @@ class KvdOffloadingManager(OffloadingManager):
             state = self._look_up(req_context, state, key)  # once per request and step at most
         if state.hits is None:
             return LookupResult.RETRY
+        if state.from_table:
+            return (
+                LookupResult.HIT
+                if state.index.get(key, state.hits) < state.hits
+                else (LookupResult.MISS)
+            )
         pin = state.pinned.get(key)
         return LookupResult.HIT if pin is not None and self._valid(pin) else LookupResult.MISS
 
@@ -140,8 +149,14 @@ class KvdOffloadingManager(OffloadingManager):
         keys = ordered[start:] if first in ordered else [first]
         state = _Request(keys, len(ordered), self._step, index={k: i for i, k in enumerate(keys)})
         self._requests[ctx.req_id] = state
-        self._counters.add("lookup_rpcs")
         self._counters.add("lookup_keys", len(keys))
+        if self._scheduler.table is not None:  # no round trip: pinned at prepare_load
+            state.hits = self._scheduler.lookup(keys)
+            state.from_table = True
+            state.failed = not self._scheduler.connected
+            self._counters.add("lookup_hit_keys", state.hits or 0)
+            return state
+        self._counters.add("lookup_rpcs")
         try:
             hits, spec = self._scheduler.lookup_and_pin(keys)  # one round trip
         except KvdError as exc:  # the pin cap, a reset, the daemon refusing

@@ -6,6 +6,8 @@ TP worker (`get_worker`). Extra-config keys: `kvd_endpoint` (default
 `kvd_client.vllm.pool`), `kvd_capacity_bytes` (the pool's size when this
 engine creates it). A pool whose layout does not match, or a KV cache kvd
 cannot hold, is one log line and offloading off for this engine.
+`kvd_ready_table` (default true): look up from the pool's ready table where
+it can be mapped; false: every lookup is a round trip that also pins.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class KvdOffloadingSpec(OffloadingSpec):
                         endpoint=self.endpoint,
                         capacity_bytes=self.choice.capacity_bytes,
                         timeout_ms=LOOKUP_TIMEOUT_MS,
+                        use_table=bool(self.extra_config.get("kvd_ready_table", True)),
                     )
                 except KvdError as exc:
                     log.warning(

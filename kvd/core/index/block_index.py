@@ -32,7 +32,13 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvd.core.index.policies import make_policy
-from kvd.core.index.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from kvd.core.index.types import (
+    Key,
+    LoadStoreSpec,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReadySink,
+)
 from kvd.errors import BadRequest, MissingKey, NotPinned, NotReady
 
 
@@ -56,6 +62,7 @@ class BlockIndex:
         self._num_not_ready = 0
         self._num_pinned = 0
         self._events: list[OffloadingEvent] = []
+        self.sink: ReadySink | None = None  # told of every change lookups would see
         self.policy = make_policy(policy, num_blocks, self._is_ready, self._is_evictable)
 
     # -- policy callbacks (read-only) -------------------------------------
@@ -85,6 +92,11 @@ class BlockIndex:
             hits += 1
         self.policy.record_lookup(keys)
         return hits
+
+    def observe(self, keys: Sequence[Key]) -> None:
+        """What `lookup` teaches the policy, for a lookup answered elsewhere (from
+        the ready table, SPEC section 15). Changes no state the verbs answer."""
+        self.policy.record_lookup(keys)
 
     def prepare_load(self, keys: Sequence[Key]) -> LoadStoreSpec:
         """Pins every key (`ref_cnt += 1`) and returns their slots in key order.
@@ -179,6 +191,11 @@ class BlockIndex:
         self._next_fresh = fresh
         self.policy.insert(slots, new_keys)
         self._num_not_ready += len(new_keys)
+        if self.sink is not None:
+            if evicted:
+                self.sink.gone(evicted)
+            if new_keys:
+                self.sink.storing(new_keys)
         if evicted:
             # A copy: the caller owns `evicted_keys`, the pending event must not change with it.
             self._events.append(
@@ -211,6 +228,8 @@ class BlockIndex:
             for key, slot in pending.items():
                 del slot_of[key]
                 self._release_slot(slot)
+        if self.sink is not None:
+            (self.sink.ready if success else self.sink.gone)(list(pending))
 
     def take_events(self) -> list[OffloadingEvent]:
         """Drains the events emitted since the last call, oldest first."""
@@ -243,6 +262,8 @@ class BlockIndex:
         self._num_pinned = 0
         self._events.clear()
         self.policy.clear()
+        if self.sink is not None:
+            self.sink.reset()
 
     # -- read-only views ----------------------------------------------------
 

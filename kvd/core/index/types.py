@@ -1,8 +1,22 @@
-"""Runs in the daemon (pure core): the value types the block index returns.
+"""Runs in the daemon (pure core): the value types the block index returns, and its ready sink.
 
-Defined once in `kvd_client.types`, so the client's verbs return the same ones.
+The value types are defined once in `kvd_client.types`, so the client's verbs
+return the same ones.
 """
+
+from collections.abc import Sequence
+from typing import Protocol
 
 from kvd_client.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
-__all__ = ["Key", "LoadStoreSpec", "OffloadingEvent", "PrepareStoreOutput"]
+__all__ = ["Key", "LoadStoreSpec", "OffloadingEvent", "PrepareStoreOutput", "ReadySink"]
+
+
+class ReadySink(Protocol):
+    """Told of every change of what `BlockIndex.lookup` would answer, as it happens
+    (the daemon's shared-memory ready table, SPEC section 15)."""
+
+    def storing(self, keys: Sequence[Key]) -> None: ...
+    def ready(self, keys: Sequence[Key]) -> None: ...
+    def gone(self, keys: Sequence[Key]) -> None: ...
+    def reset(self) -> None: ...

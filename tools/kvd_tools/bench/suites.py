@@ -74,6 +74,13 @@ def _index_arguments(p: argparse.ArgumentParser) -> None:
         help="index sizes in blocks (default: 10000,100000,1000000)",
     )
     p.add_argument(
+        "--key-bytes",
+        type=positive_int,
+        default=36,
+        metavar="N",
+        help="bytes a key (default: 36, vLLM's offload keys: a 32-byte hash and 4 of group)",
+    )
+    p.add_argument(
         "--min-batches",
         type=positive_int,
         default=2000,
@@ -297,6 +304,32 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which parts to run (default: ttft,scheduler,multiturn)")  # fmt: skip
 
 
+def _lookup_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keys",
+        type=positive_ints,
+        default=[1, 16, 64, 256],
+        metavar="N,...",
+        help="keys per lookup (default: 1,16,64,256)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=positive_int,
+        default=100_000,
+        metavar="N",
+        help="blocks stored in the pool (default: 100000)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="lookups timed per round and path (default: 2000)",
+    )
+    p.add_argument("--rounds", type=positive_int, default=3, metavar="N",
+                   help="interleaved rounds (default: 3)")  # fmt: skip
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd_tools.bench.index",
@@ -337,6 +370,11 @@ SUITES: dict[str, Suite] = {
         "kvd_tools.bench.transfer",
         "scattered store/load GB/s through the copy backend vs one contiguous torch copy",
         _transfer_arguments,
+    ),
+    "lookup": Suite(
+        "kvd_tools.bench.lookup",
+        "Scheduler.lookup from the ready table vs the round trip vs BlockIndex in process",
+        _lookup_arguments,
     ),
     "vllm": Suite(
         "kvd_tools.bench.vllm_bench",

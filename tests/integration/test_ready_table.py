@@ -1,0 +1,324 @@
+"""Runs in the test process (and reader processes it spawns): the ready table (SPEC section 15).
+
+The writer is `kvd.io.ready_table.ReadyTableWriter` on real shared memory, as
+the sink of a real `BlockIndex`; readers are `kvd_client.ready_table`
+views, in this process and in others, and `Scheduler.lookup` against a real
+daemon.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.index import BlockIndex
+from kvd.io.ready_table import ReadyTableWriter
+from kvd.io.region import Manifest
+from kvd_client import Layout, Scheduler
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_client.errors import ErrorCode, KvdError
+from kvd_client.ready_table import READY, STORING, MappedTable, ReadyTable, TableChanged
+from kvd_tools.launcher import DaemonProcess
+
+LAYOUT = Layout("m", "bfloat16", 16, 1, False, 4096)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def writer(tmp_path: Path, num_blocks: int) -> ReadyTableWriter:
+    return ReadyTableWriter(f"/kvd-test-{uuid.uuid4().hex[:12]}.ready", num_blocks, 7,
+                            gid=None, manifest=Manifest(tmp_path / "manifest"))  # fmt: skip
+
+
+# -- the table against the index it mirrors ------------------------------------------
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "complete", "fail", "load", "unload", "reset"]),
+        st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, probes=st.lists(st.lists(st.integers(0, 40), max_size=6), max_size=8))
+def test_the_table_answers_what_the_index_answers(
+    tmp_path_factory: pytest.TempPathFactory,
+    native: bool,
+    ops: list[tuple[str, list[int]]],
+    probes: list[list[int]],
+) -> None:
+    table = writer(tmp_path_factory.mktemp("t"), 8)
+    try:
+        index = BlockIndex(8)
+        index.sink = table
+        reader = ReadyTable(table._mm)
+        if native and not reader.native:
+            pytest.skip("the C probe loop was not built")
+        reader.native = native
+        for op, ids in ops:
+            keys = list(dict.fromkeys(key(i) for i in ids))
+            try:
+                if op == "store":
+                    index.prepare_store(keys)
+                elif op in ("complete", "fail"):
+                    index.complete_store([k for k in keys if k in index], op == "complete")
+                elif op == "load":
+                    index.prepare_load(keys)
+                elif op == "unload":
+                    index.complete_load(keys)
+                else:
+                    index.reset()
+            except Exception:  # the index refused the batch and changed nothing
+                pass
+            for ids_ in probes:
+                ks = [key(i) for i in ids_]
+                assert reader.lookup(ks) == index.lookup(ks), (op, ids, ids_)
+            for k in (key(i) for i in range(41)):
+                want = (READY if index.is_ready(k) else STORING) if k in index else 0
+                assert reader.state(k) == want
+    finally:
+        table.close()
+
+
+def test_churn_rebuilds_the_table_and_keeps_every_answer(tmp_path: Path) -> None:
+    table = writer(tmp_path, 64)
+    try:
+        index = BlockIndex(64)
+        index.sink = table
+        reader = ReadyTable(table._mm)
+        epoch = reader.epoch()
+        for n in range(0, 4000, 16):  # every batch evicts: GONE buckets pile up
+            batch = [key(i) for i in range(n, n + 16)]
+            assert index.prepare_store(batch) is not None
+            index.complete_store(batch)
+        assert reader.epoch() > epoch  # it was rebuilt (under an odd epoch, even now)
+        assert reader.epoch() % 2 == 0
+        live = [key(i) for i in range(4000 - 64, 4000)]
+        assert all(reader.state(k) == READY for k in live)
+        assert reader.lookup([key(i) for i in range(4000 - 200, 4000)]) == 0
+        assert reader.lookup(live) == 64
+    finally:
+        table.close()
+
+
+# -- readers in other processes, a writer at full speed -------------------------------
+
+
+def _reader(name: str, round_: mp.Value, out: mp.Queue, seconds: float) -> None:  # type: ignore[type-arg]
+    """Looks up runs of recent keys; reports (t_start, t_end, first key id, hits)."""
+    from kvd_client.ready_table import MappedTable, TableChanged
+
+    table = MappedTable(name)
+    found = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        r = round_.value
+        start = max(0, r - 3) * 32  # rounds r-3 and r-2: in the pool, or just evicted
+        ids = list(range(start, start + 64))
+        t0 = time.monotonic()
+        try:
+            hits = table.lookup([key(i) for i in ids])
+        except TableChanged:
+            continue
+        t1 = time.monotonic()
+        found.append((t0, t1, start, hits))
+    out.put(found)
+
+
+def test_readers_in_other_processes_never_see_a_hit_that_was_not_ready(tmp_path: Path) -> None:
+    """Every hit a reader reports was ready at some moment of its read: checked
+    against the writer's own times of completion and eviction."""
+    table = writer(tmp_path, 128)
+    ctx = mp.get_context("spawn")
+    round_ = ctx.Value("q", 0)
+    out = ctx.Queue()
+    readers = [ctx.Process(target=_reader, args=(table.name, round_, out, 4.0)) for _ in range(3)]
+    victim = ctx.Process(target=_reader, args=(table.name, round_, ctx.Queue(), 30.0))
+    ready_from: dict[int, float] = {}  # key id -> when complete_store began
+    gone_by: dict[int, float] = {}  # key id -> when the call that evicted or failed it returned
+    try:
+        index = BlockIndex(128)
+        index.sink = table
+        for proc in [*readers, victim]:
+            proc.start()
+        time.sleep(1.0)  # the readers import and map
+        deadline = time.monotonic() + 4.0
+        r = 0
+        killed = False
+        while time.monotonic() < deadline:
+            ids = range(r * 32, r * 32 + 32)
+            batch = [key(i) for i in ids]
+            out_ = index.prepare_store(batch)
+            assert out_ is not None
+            now = time.monotonic()
+            for k in out_.evicted_keys:
+                gone_by[int.from_bytes(k, "big")] = now
+            ok = r % 10 != 3  # some stores fail: never ready
+            t = time.monotonic()
+            index.complete_store(batch, ok)
+            if ok:
+                for i in ids:
+                    ready_from[i] = t
+            else:
+                for i in ids:
+                    gone_by[i] = time.monotonic()
+            r += 1
+            round_.value = r
+            if not killed and r == 50:
+                os.kill(victim.pid or 0, signal.SIGKILL)  # a reader dies mid-read
+                killed = True
+        results = [out.get(timeout=30) for _ in readers]
+    finally:
+        for proc in [*readers, victim]:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        table.close()
+    reads = [x for found in results for x in found]
+    assert len(reads) > 1000, "the readers barely ran"
+    assert sum(1 for *_, hits in reads if hits) > 100, "no hits: the check proves nothing"
+    for t0, t1, start, hits in reads:
+        for i in range(start, start + (hits or 0)):
+            assert i in ready_from, f"key {i} reported ready, never completed"
+            assert ready_from[i] <= t1, f"key {i} hit before it became ready"
+            assert gone_by.get(i, float("inf")) >= t0, f"key {i} hit after it was gone"
+
+
+# -- through the daemon ------------------------------------------------------------------
+
+
+def observed(d: DaemonProcess) -> int:
+    conn = Connection(d.endpoint, role="admin", keeper=False, timeout_ms=2000)
+    conn.connect()
+    try:
+        reply = conn.call(p.Stats)
+        assert isinstance(reply, p.StatsResult)
+        return int(reply.counters.get("observed_lookups", 0))
+    finally:
+        conn.close()
+
+
+def test_scheduler_lookups_from_the_table_match_the_daemon_and_are_reported() -> None:
+    with (
+        DaemonProcess() as d, Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
+                  capacity_bytes=64 * 4096) as s,
+        Scheduler("p", LAYOUT, engine_id="b", endpoint=d.endpoint, use_table=False) as rpc,
+    ):  # fmt: skip
+        assert s.table is not None and rpc.table is None
+        mode = stat.S_IMODE(os.stat("/dev/shm" + s.table.name).st_mode)
+        assert mode == 0o600  # no service group here: owner only, like the pool
+        with pytest.raises(TypeError):
+            s.table.buf[0] = 1  # type: ignore[index]  # mapped read-only
+        keys = [key(i) for i in range(48)]
+        assert s.prepare_store(keys[:40]) is not None
+        s.complete_store(keys[:32])
+        assert observed(d) == 0
+        for probe in (keys, keys[:32], keys[32:], keys[40:], keys[:8] + keys[40:]):
+            assert s.lookup(probe) == rpc.lookup(probe)
+        deadline = time.monotonic() + 5
+        while observed(d) < 5 and time.monotonic() < deadline:  # sent, not waited for
+            time.sleep(0.01)
+        assert observed(d) == 5  # every table lookup reached the daemon, once, by itself
+        # prepare_load stays authoritative: a key evicted since the lookup is refused.
+        assert s.lookup(keys[:4]) == 4
+        s.complete_store(keys[32:40])
+        fresh = [key(i) for i in range(1000, 1064)]
+        out = s.prepare_store(fresh)  # the whole pool: everything before goes
+        assert out is not None and set(keys[:4]) <= set(out.evicted_keys)
+        with pytest.raises(KvdError) as err:
+            s.prepare_load(keys[:4])
+        assert err.value.code == ErrorCode.MISSING
+        assert s.lookup(keys[:4]) == 0
+
+
+def test_no_table_means_the_round_trip_and_the_same_answers() -> None:
+    with (
+        DaemonProcess(ready_tables="false") as d,
+        Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint, capacity_bytes=64 * 4096) as s,
+    ):
+        assert s.attached is not None and s.attached.ready_table == ""
+        assert s.table is None
+        keys = [key(i) for i in range(8)]
+        assert s.prepare_store(keys) is not None
+        s.complete_store(keys[:4])
+        assert s.lookup(keys) is None and s.lookup(keys[:4]) == 4
+
+
+def test_a_restarted_daemon_publishes_a_new_table_and_the_scheduler_maps_it() -> None:
+    d = DaemonProcess(lease_ms="3000").start()
+    try:
+        with Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
+                       capacity_bytes=64 * 4096) as s:  # fmt: skip
+            assert s.table is not None
+            old, epoch = s.table.name, s.epoch
+            keys = [key(i) for i in range(8)]
+            assert s.prepare_store(keys) is not None
+            s.complete_store(keys)
+            assert s.lookup(keys) == 8
+            d.kill(signal.SIGKILL)
+            assert os.path.exists("/dev/shm" + old)  # a killed daemon unlinks nothing
+            d.start()  # cold: the old segments go, the pool and its table are new
+            assert not os.path.exists("/dev/shm" + old)
+            deadline = time.monotonic() + 30
+            while not (s.connected and s.epoch > epoch):
+                assert time.monotonic() < deadline, "the scheduler never reconnected"
+                time.sleep(0.05)
+            assert s.table is not None and s.table.name != old
+            assert s.lookup(keys) == 0
+    finally:
+        d.stop()
+
+
+def test_a_table_that_cannot_be_mapped_falls_back_to_the_round_trip() -> None:
+    with pytest.raises(ValueError, match="not a kvd ready table"):
+        ReadyTable(bytes(128))
+    with DaemonProcess() as d:
+        with Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
+                       capacity_bytes=64 * 4096) as s:  # fmt: skip
+            assert s.table is not None
+            name = s.table.name
+        os.unlink("/dev/shm" + name)  # as if on another host: the name maps to nothing
+        with pytest.raises(OSError):
+            MappedTable(name)
+        with Scheduler("p", LAYOUT, engine_id="b", endpoint=d.endpoint) as s:
+            assert s.attached is not None and s.attached.ready_table == name
+            assert s.table is None
+            keys = [key(i) for i in range(4)]
+            assert s.prepare_store(keys) is not None
+            s.complete_store(keys)
+            assert s.lookup(keys) == 4 and s.lookup(keys[1:]) == 3
+
+
+def test_a_dropped_pools_table_answers_nothing() -> None:
+    with DaemonProcess() as d, Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
+                   capacity_bytes=64 * 4096) as s:  # fmt: skip
+        keys = [key(i) for i in range(4)]
+        assert s.prepare_store(keys) is not None
+        s.complete_store(keys)
+        table = s.table
+        assert table is not None and table.lookup(keys) == 4
+        conn = Connection(d.endpoint, role="admin", keeper=False, timeout_ms=2000)
+        conn.connect()
+        try:
+            assert isinstance(conn.call(p.DropPool, "p", d.admin_token), p.Ok)
+        finally:
+            conn.close()
+        assert not os.path.exists("/dev/shm" + table.name)
+        with pytest.raises(TableChanged):  # still mapped here, but marked dead
+            table.lookup(keys)
+        assert s.lookup(keys) == 0  # the round trip: the pool is gone
