@@ -55,6 +55,8 @@ static int key_state(const volatile unsigned char *base, uint64_t mask, const un
         const volatile unsigned char *b = base + HEADER_BYTES + i * BUCKET_BYTES;
         int state = STATE_EMPTY, same = 0, settled = 0;
         for (int t = 0; t < tries; t++) {
+            if (t > 0)
+                __builtin_ia32_pause(); /* the writer is mid-bucket: give it a moment */
             uint32_t seq = load32(b);
             BARRIER();
             if (seq & 1)
@@ -69,7 +71,7 @@ static int key_state(const volatile unsigned char *base, uint64_t mask, const un
         }
         if (!settled || state == STATE_EMPTY)
             return STATE_EMPTY;
-        if (same && state != STATE_GONE)
+        if (same && state != STATE_GONE) /* GONE: a tombstone; the probe goes on */
             return state;
         i = (i + 1) & mask;
     }
@@ -94,7 +96,7 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     }
     uint64_t num_buckets = load64(base + 16);
     if (num_buckets == 0 || (num_buckets & (num_buckets - 1)) ||
-        (uint64_t)view.len < HEADER_BYTES + num_buckets * BUCKET_BYTES) {
+        num_buckets > ((uint64_t)view.len - HEADER_BYTES) / BUCKET_BYTES) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "not a whole ready table");
         return NULL;

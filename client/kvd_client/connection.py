@@ -165,7 +165,7 @@ class Connection:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 return False
-            self._last_sent = time.monotonic()
+            # Not `_last_sent`: heartbeats go on, so a dead daemon is noticed.
             return True
 
     def _request(self, msg: p.Request, timeout_ms: int) -> p.Reply:

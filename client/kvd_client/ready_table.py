@@ -12,7 +12,7 @@ its read.
 
     offset 0   header (64 bytes, little-endian)
                magic u64 "KVDREADY" | version u32 | bucket_bytes u32
-               num_buckets u64 | generation u64 | epoch u64 | reserved
+               num_buckets u64 | generation u64 | epoch u64 | alive_ns u64 | reserved
     offset 64  bucket 0 | bucket 1 | ... | bucket num_buckets - 1
     bucket     seq u32 | state u8 | key_len u8 | reserved u16 | key (64 bytes)
                state: EMPTY 0, STORING 1, READY 2, GONE 3 (a deleted key: probes go on)
@@ -21,7 +21,12 @@ Keys go to bucket `crc32(key) & (num_buckets - 1)` (`bucket_of`; zlib's
 CRC-32, which both Python and C have at hand), then linear probing; num_buckets is a power
 of two at least twice the pool's blocks, so probes stay short. A reset bumps
 `epoch` (odd while the buckets are being cleared); a reader whose lookup
-straddles a change of epoch answers from the RPC path instead.
+straddles a change of epoch answers from the RPC path instead. The daemon
+writes `alive_ns` (CLOCK_MONOTONIC, shared by every process of the host) at
+least every half second; a table not written for `STALE_NS` belongs to a
+daemon that died, and readers ask the daemon instead (it is down: 0 hits).
+A dropped pool's table, and that of a daemon that shut down, is left with
+an odd epoch.
 
 x86-64 keeps stores in order and loads in order (TSO), which is what the
 seqlock needs from Python's plain memory copies; other architectures would
@@ -33,6 +38,7 @@ from __future__ import annotations
 import importlib
 import platform
 import struct
+import time
 import zlib
 from typing import Any
 
@@ -47,6 +53,8 @@ VERSION = 1
 HEADER = struct.Struct("<QIIQQQ")  # magic, version, bucket_bytes, num_buckets, generation, epoch
 HEADER_BYTES = 64
 EPOCH_OFFSET = 32
+ALIVE_OFFSET = 40
+STALE_NS = 2_000_000_000  # a table its daemon has not written for this long is dead
 BUCKET = struct.Struct("<IBBH")  # seq, state, key_len, reserved; the key follows
 MAX_KEY_BYTES = 64
 BUCKET_BYTES = BUCKET.size + MAX_KEY_BYTES  # 72
@@ -114,6 +122,9 @@ class ReadyTable:
         """`BlockIndex.lookup` on the published state: leading ready keys, `None`
         when the first key that is not ready is being stored. Raises
         `TableChanged` when a reset or rebuild overlapped the read."""
+        alive = struct.unpack_from("<Q", self.buf, ALIVE_OFFSET)[0]  # type: ignore[arg-type]
+        if time.monotonic_ns() - alive > STALE_NS:
+            raise TableChanged("the daemon stopped writing its table (it died?)")
         if self.native:
             found = _native.lookup(self.buf, keys, READ_TRIES)
             if found == -2:

@@ -143,6 +143,8 @@ class Scheduler:
         return self._conn.welcome.session_id if self._conn.welcome else None
 
     def _call(self, cls: type, *args: object) -> p.Reply:
+        if self._observed:  # the daemon learns of earlier lookups first, in order
+            self.flush_observed()
         return self._conn.call(cls, *args)
 
     # -- the index verbs -------------------------------------------------------
@@ -203,8 +205,13 @@ class Scheduler:
         sent = 0
         while self._observed:
             batch: list[tuple[list[bytes], int]] = []
+            num_keys = 0  # a frame stays far below MAX_FRAME_BYTES
             while self._observed and len(batch) < p.MAX_OBSERVED_LOOKUPS:
-                batch.append(self._observed.popleft())
+                if batch and num_keys + len(self._observed[0][0]) > p.MAX_KEYS_PER_REQUEST:
+                    break
+                keys, hits = self._observed.popleft()
+                batch.append((keys, hits))
+                num_keys += len(keys)
             if self._conn.post(p.Observe, [k for k, _ in batch], [h for _, h in batch]):
                 sent += len(batch)
         return sent

@@ -123,6 +123,8 @@ class PoolAdmin:
             )
         if not pool.resetting:
             pool.resetting = True
+            if pool.table is not None:  # no hit from the table either, from now on
+                pool.table.begin_reset()
             log.info("event=pool_reset_started pool=%s", req.pool)
         self._transfers.fail_pool(req.pool, f"pool {req.pool} reset")
         self.finish_resets()

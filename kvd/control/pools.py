@@ -107,7 +107,11 @@ class PoolRegistry:
 
     @property
     def used_bytes(self) -> int:
-        return sum(p.geometry.size_bytes for p in self._pools.values())
+        """Shared memory the pools hold: their segments and their ready tables."""
+        return sum(
+            p.geometry.size_bytes + (p.table.nbytes if p.table is not None else 0)
+            for p in self._pools.values()
+        )
 
     def attach(self, name: str, layout: Layout, capacity_bytes: int | None) -> Pool:
         """The pool called `name`, created on first use; `LayoutMismatch` if it differs."""

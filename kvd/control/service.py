@@ -123,6 +123,9 @@ class Service:
         self.transfers.expire(now)
         self.admin.release_due(now)
         self.admin.drop_unbacked()
+        for pool in self.pools:  # readers take a table not written lately as dead
+            if pool.table is not None:
+                pool.table.beat()
 
     def settle(self) -> bool:
         """One step of each pool's idle work (the server calls it once no request

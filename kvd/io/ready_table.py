@@ -10,9 +10,11 @@ answers anyone. Each bucket is written under its sequence
 counter (odd while it changes), so readers never take a lock and the writer
 never waits for one.
 
-A deleted key leaves a GONE bucket so that probes for keys further along go
-on; when GONE buckets pass a quarter of the table, it is rebuilt in place
-under an odd epoch (readers answer from the RPC path meanwhile). The table
+A deleted key's bucket is emptied and the rest of its cluster shifted back
+(no tombstones, so no rebuild ever stalls the loop; at most half the buckets
+are used, so clusters stay short). A reset empties every bucket under an odd
+epoch, as does a pool whose reset waits for its copies (`begin_reset`):
+readers answer from the RPC path meanwhile. The table
 is created with the pool's segment mode minus write for the group: readers
 map it read-only and cannot change it.
 """
@@ -23,17 +25,18 @@ import contextlib
 import mmap
 import os
 import struct
+import time
 from collections.abc import Sequence
 
 import posix_ipc
 
 from kvd.io.region import Manifest
 from kvd_client.ready_table import (
+    ALIVE_OFFSET,
     BUCKET,
     BUCKET_BYTES,
     EMPTY,
     EPOCH_OFFSET,
-    GONE,
     HEADER,
     HEADER_BYTES,
     MAGIC,
@@ -59,7 +62,6 @@ class ReadyTableWriter:
         self.num_buckets = num_buckets_for(num_blocks)
         self.nbytes = HEADER_BYTES + self.num_buckets * BUCKET_BYTES
         self._mask = self.num_buckets - 1
-        self._gone = 0
         self._live = 0
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=self.nbytes)
@@ -70,6 +72,8 @@ class ReadyTableWriter:
             os.fchmod(shm.fd, mode)  # the umask must not widen or narrow it
             if gid is not None:
                 os.fchown(shm.fd, -1, gid)
+            # Every page now: a full /dev/shm is an error here, not a SIGBUS later.
+            os.posix_fallocate(shm.fd, 0, self.nbytes)
             self._mm = mmap.mmap(shm.fd, self.nbytes)
         except BaseException:
             shm.close_fd()
@@ -78,6 +82,11 @@ class ReadyTableWriter:
         shm.close_fd()
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, BUCKET_BYTES, self.num_buckets,
                          generation, 0)  # fmt: skip
+        self.beat()
+
+    def beat(self) -> None:
+        """Says the daemon is alive (`alive_ns`); the daemon calls it every tick."""
+        _EPOCH.pack_into(self._mm, ALIVE_OFFSET, time.monotonic_ns())
 
     # -- the index's sink ---------------------------------------------------
 
@@ -95,44 +104,55 @@ class ReadyTableWriter:
     def set_states(self, keys: Sequence[bytes], state: int) -> None:
         """Publishes `state` (STORING, READY, or EMPTY: gone) for each key."""
         for key in keys:
-            if len(key) > MAX_KEY_BYTES:
-                continue  # never published: readers miss it, the RPC path still answers
-            self._set(key, state)
-        if self._gone > self.num_buckets // 4:
-            self._rebuild()
+            if len(key) <= MAX_KEY_BYTES:  # the protocol admits no longer key
+                self._set(key, state)
 
-    def _set(self, key: bytes, state: int) -> None:
+    def _find(self, key: bytes) -> tuple[int, bool]:
+        """The bucket holding `key` (True), or the empty bucket ending its probe (False)."""
         mm, mask, head, n = self._mm, self._mask, BUCKET.size, len(key)
         i = bucket_of(key, mask)
-        free = -1
-        for _ in range(self.num_buckets):
+        while True:  # at most half full: an empty bucket always ends the probe
             off = HEADER_BYTES + i * BUCKET_BYTES
-            _, old, key_len, _ = BUCKET.unpack_from(mm, off)
-            if old == EMPTY:
-                break
-            if old == GONE:
-                if free < 0:
-                    free = off
-            elif key_len == n and mm[off + head : off + head + n] == key:
-                if state == EMPTY:
-                    self._write(off, GONE, None)
-                    self._live -= 1
-                    self._gone += 1
-                elif state != old:
-                    self._write(off, state, None)
-                return
+            state, key_len = mm[off + 4], mm[off + 5]
+            if state == EMPTY:
+                return i, False
+            if key_len == n and mm[off + head : off + head + n] == key:
+                return i, True
             i = (i + 1) & mask
-        else:
-            off = -1  # no empty bucket: cannot happen below half full
+
+    def _set(self, key: bytes, state: int) -> None:
+        i, found = self._find(key)
+        off = HEADER_BYTES + i * BUCKET_BYTES
         if state == EMPTY:
-            return  # not published (too long, or never stored): nothing to clear
-        if free >= 0:
-            self._gone -= 1
-            off = free
-        if off < 0:
-            raise RuntimeError(f"ready table {self.name} is full")
-        self._write(off, state, key)
-        self._live += 1
+            if found:
+                self._delete(i)
+        elif not found:
+            self._write(off, state, key)
+            self._live += 1
+        elif self._mm[off + 4] != state:
+            self._write(off, state, None)
+
+    def _delete(self, i: int) -> None:
+        """Empties bucket `i` and shifts the rest of its cluster back, so that no
+        tombstone is left and every probe still ends at an empty bucket (Knuth's
+        algorithm R). A reader racing a shift may miss a moving key; a copy is
+        written before its original is overwritten, so it never sees a wrong one."""
+        mm, mask, head = self._mm, self._mask, BUCKET.size
+        j = i
+        while True:
+            j = (j + 1) & mask
+            off_j = HEADER_BYTES + j * BUCKET_BYTES
+            state = mm[off_j + 4]
+            if state == EMPTY:
+                break
+            key = bytes(mm[off_j + head : off_j + head + mm[off_j + 5]])
+            home = bucket_of(key, mask)
+            stays = (i < home <= j) if i <= j else (home > i or home <= j)
+            if not stays:  # its probe passes through i: move it there
+                self._write(HEADER_BYTES + i * BUCKET_BYTES, state, key)
+                i = j
+        self._write(HEADER_BYTES + i * BUCKET_BYTES, EMPTY, None)
+        self._live -= 1
 
     def _write(self, off: int, state: int, key: bytes | None) -> None:
         """One bucket under its sequence counter: odd, change, even."""
@@ -152,29 +172,25 @@ class ReadyTableWriter:
         """Every key gone (the pool was reset), under an odd epoch."""
         self._rewrite([])
 
-    def _rebuild(self) -> None:
-        """Rewrites the live keys without their GONE buckets, under an odd epoch."""
-        mm, head = self._mm, BUCKET.size
-        live = []
-        for i in range(self.num_buckets):
-            off = HEADER_BYTES + i * BUCKET_BYTES
-            _, state, key_len, _ = BUCKET.unpack_from(mm, off)
-            if state in (STORING, READY):
-                live.append((bytes(mm[off + head : off + head + key_len]), state))
-        self._rewrite(live)
+    def begin_reset(self) -> None:
+        """The pool is being reset (it empties once its copies end): until `reset`,
+        the epoch is odd and readers ask the daemon, which answers no hits."""
+        epoch = _EPOCH.unpack_from(self._mm, EPOCH_OFFSET)[0]
+        if epoch % 2 == 0:
+            _EPOCH.pack_into(self._mm, EPOCH_OFFSET, epoch + 1)
 
     def _rewrite(self, live: list[tuple[bytes, int]]) -> None:
         mm = self._mm
-        epoch = _EPOCH.unpack_from(mm, EPOCH_OFFSET)[0]
-        _EPOCH.pack_into(mm, EPOCH_OFFSET, epoch + 1)  # odd: readers ask the daemon
+        self.begin_reset()  # odd: readers ask the daemon
         for i in range(self.num_buckets):
             off = HEADER_BYTES + i * BUCKET_BYTES
             if mm[off + 4] != EMPTY:
                 self._write(off, EMPTY, None)
-        self._gone = self._live = 0
+        self._live = 0
         for key, state in live:
             self._set(key, state)
-        _EPOCH.pack_into(mm, EPOCH_OFFSET, epoch + 2)
+        epoch = _EPOCH.unpack_from(mm, EPOCH_OFFSET)[0]
+        _EPOCH.pack_into(mm, EPOCH_OFFSET, epoch + 1)  # even again
 
     # -- lifetime -------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from kvd.version import __version__
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.geometry import Geometry
+from kvd_client.ready_table import table_name
 from kvd_tools.launcher import DaemonProcess
 
 LEASE_MS = 3_600_000  # nothing expires during a run (100,000 inputs take minutes)
@@ -694,6 +695,7 @@ class Model:
             g.slot_bytes,
             g.num_slots,
             g.slot_stride,
+            table_name(f"/kvd.{name}.{pm.generation}"),  # the daemon publishes one a pool
         )
 
     def _finished(self, sid: int, rid: int, reply: p.Reply) -> p.Reply:

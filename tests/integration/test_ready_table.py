@@ -27,7 +27,14 @@ from kvd_client import Layout, Scheduler
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
-from kvd_client.ready_table import READY, STORING, MappedTable, ReadyTable, TableChanged
+from kvd_client.ready_table import (
+    READY,
+    STALE_NS,
+    STORING,
+    MappedTable,
+    ReadyTable,
+    TableChanged,
+)
 from kvd_tools.launcher import DaemonProcess
 
 LAYOUT = Layout("m", "bfloat16", 16, 1, False, 4096)
@@ -95,19 +102,19 @@ def test_the_table_answers_what_the_index_answers(
         table.close()
 
 
-def test_churn_rebuilds_the_table_and_keeps_every_answer(tmp_path: Path) -> None:
+def test_churn_leaves_no_tombstone_and_keeps_every_answer(tmp_path: Path) -> None:
     table = writer(tmp_path, 64)
     try:
         index = BlockIndex(64)
         index.sink = table
         reader = ReadyTable(table._mm)
-        epoch = reader.epoch()
-        for n in range(0, 4000, 16):  # every batch evicts: GONE buckets pile up
+        for n in range(0, 4000, 16):  # every batch evicts: deletions shift clusters back
             batch = [key(i) for i in range(n, n + 16)]
             assert index.prepare_store(batch) is not None
             index.complete_store(batch)
-        assert reader.epoch() > epoch  # it was rebuilt (under an odd epoch, even now)
-        assert reader.epoch() % 2 == 0
+        assert reader.epoch() == 0  # no reset, and no rebuild ever stops the readers
+        states = [table._mm[64 + i * 72 + 4] for i in range(table.num_buckets)]
+        assert states.count(READY) == 64 and set(states) <= {0, READY}
         live = [key(i) for i in range(4000 - 64, 4000)]
         assert all(reader.state(k) == READY for k in live)
         assert reader.lookup([key(i) for i in range(4000 - 200, 4000)]) == 0
@@ -119,69 +126,87 @@ def test_churn_rebuilds_the_table_and_keeps_every_answer(tmp_path: Path) -> None
 # -- readers in other processes, a writer at full speed -------------------------------
 
 
-def _reader(name: str, round_: mp.Value, out: mp.Queue, seconds: float) -> None:  # type: ignore[type-arg]
-    """Looks up runs of recent keys; reports (t_start, t_end, first key id, hits)."""
+def wide_key(i: int) -> bytes:
+    """A 36-byte key, as vLLM's; keys differ only in their last bytes."""
+    return b"\x5a" * 28 + i.to_bytes(8, "big")
+
+
+ROUND = 4  # keys stored a round; the pool holds four rounds (16 blocks, 32 buckets)
+
+
+def _reader(name: str, round_: mp.Value, out: mp.Queue, seconds: float, native: bool) -> None:  # type: ignore[type-arg]
+    """Looks up, one at a time, the keys of the last eight rounds: half in the
+    pool, half just evicted (their buckets reused by new keys that differ only in
+    their last bytes). Reports (t_start, t_end, key id) of every hit, and of
+    every answer "being stored" (None)."""
     from kvd_client.ready_table import MappedTable, TableChanged
 
     table = MappedTable(name)
-    found = []
+    table.native = native and table.native
+    hits, storing, reads = [], [], 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         r = round_.value
-        start = max(0, r - 3) * 32  # rounds r-3 and r-2: in the pool, or just evicted
-        ids = list(range(start, start + 64))
-        t0 = time.monotonic()
-        try:
-            hits = table.lookup([key(i) for i in ids])
-        except TableChanged:
-            continue
-        t1 = time.monotonic()
-        found.append((t0, t1, start, hits))
-    out.put(found)
+        for i in range(max(0, r - 8) * ROUND, r * ROUND):
+            t0 = time.monotonic()
+            try:
+                found = table.lookup([wide_key(i)])
+            except TableChanged:
+                continue
+            reads += 1
+            if found:
+                hits.append((t0, time.monotonic(), i))
+            elif found is None:
+                storing.append((t0, time.monotonic(), i))
+    out.put((reads, hits, storing))
 
 
 def test_readers_in_other_processes_never_see_a_hit_that_was_not_ready(tmp_path: Path) -> None:
     """Every hit a reader reports was ready at some moment of its read: checked
     against the writer's own times of completion and eviction."""
-    table = writer(tmp_path, 128)
+    table = writer(tmp_path, 4 * ROUND)
     ctx = mp.get_context("spawn")
     round_ = ctx.Value("q", 0)
-    out = ctx.Queue()
-    readers = [ctx.Process(target=_reader, args=(table.name, round_, out, 4.0)) for _ in range(3)]
-    victim = ctx.Process(target=_reader, args=(table.name, round_, ctx.Queue(), 30.0))
+    out, victim_out = ctx.Queue(), ctx.Queue()
+    readers = [ctx.Process(target=_reader, args=(table.name, round_, out, 4.0, native))
+               for native in (True, True, False)]  # fmt: skip
+    victim = ctx.Process(target=_reader, args=(table.name, round_, victim_out, 30.0, True))
     ready_from: dict[int, float] = {}  # key id -> when complete_store began
     gone_by: dict[int, float] = {}  # key id -> when the call that evicted or failed it returned
+    stored_from: dict[int, float] = {}  # key id -> when prepare_store began
+    stored_by: dict[int, float] = {}  # key id -> when its complete_store returned
     try:
-        index = BlockIndex(128)
+        index = BlockIndex(4 * ROUND)
         index.sink = table
         for proc in [*readers, victim]:
             proc.start()
         time.sleep(1.0)  # the readers import and map
         deadline = time.monotonic() + 4.0
         r = 0
-        killed = False
         while time.monotonic() < deadline:
-            ids = range(r * 32, r * 32 + 32)
-            batch = [key(i) for i in ids]
-            out_ = index.prepare_store(batch)
+            ids = range(r * ROUND, (r + 1) * ROUND)
+            for i in ids:
+                stored_from[i] = time.monotonic()
+            out_ = index.prepare_store([wide_key(i) for i in ids])
             assert out_ is not None
             now = time.monotonic()
             for k in out_.evicted_keys:
-                gone_by[int.from_bytes(k, "big")] = now
+                gone_by[int.from_bytes(k[-8:], "big")] = now
             ok = r % 10 != 3  # some stores fail: never ready
             t = time.monotonic()
-            index.complete_store(batch, ok)
-            if ok:
-                for i in ids:
+            index.complete_store([wide_key(i) for i in ids], ok)
+            for i in ids:
+                stored_by[i] = time.monotonic()
+                if ok:
                     ready_from[i] = t
-            else:
-                for i in ids:
+                else:
                     gone_by[i] = time.monotonic()
             r += 1
             round_.value = r
-            if not killed and r == 50:
+            table.beat()  # as the daemon's ticks do
+            if r == 500:
+                assert victim.is_alive(), "the reader to kill never ran"
                 os.kill(victim.pid or 0, signal.SIGKILL)  # a reader dies mid-read
-                killed = True
         results = [out.get(timeout=30) for _ in readers]
     finally:
         for proc in [*readers, victim]:
@@ -189,14 +214,17 @@ def test_readers_in_other_processes_never_see_a_hit_that_was_not_ready(tmp_path:
             if proc.is_alive():
                 proc.kill()
         table.close()
-    reads = [x for found in results for x in found]
-    assert len(reads) > 1000, "the readers barely ran"
-    assert sum(1 for *_, hits in reads if hits) > 100, "no hits: the check proves nothing"
-    for t0, t1, start, hits in reads:
-        for i in range(start, start + (hits or 0)):
-            assert i in ready_from, f"key {i} reported ready, never completed"
-            assert ready_from[i] <= t1, f"key {i} hit before it became ready"
-            assert gone_by.get(i, float("inf")) >= t0, f"key {i} hit after it was gone"
+    assert r > 1000, "the writer barely ran"
+    assert all(reads > 10_000 for reads, _, _ in results), "a reader barely ran"
+    hits = [h for _, found, _ in results for h in found]
+    assert len(hits) > 1000, "no hits: the check proves nothing"
+    for t0, t1, i in hits:
+        assert i in ready_from, f"key {i} reported ready, never completed"
+        assert ready_from[i] <= t1, f"key {i} hit before it became ready"
+        assert gone_by.get(i, float("inf")) >= t0, f"key {i} hit after it was gone"
+    for t0, t1, i in (x for _, _, storing in results for x in storing):
+        assert stored_from[i] <= t1, f"key {i} 'being stored' before its store began"
+        assert stored_by.get(i, float("inf")) >= t0, f"key {i} 'being stored' after it ended"
 
 
 # -- through the daemon ------------------------------------------------------------------
@@ -322,3 +350,29 @@ def test_a_dropped_pools_table_answers_nothing() -> None:
         with pytest.raises(TableChanged):  # still mapped here, but marked dead
             table.lookup(keys)
         assert s.lookup(keys) == 0  # the round trip: the pool is gone
+
+
+def test_a_dead_daemons_table_stops_answering_within_its_staleness() -> None:
+    d = DaemonProcess().start()
+    try:
+        with Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
+                       capacity_bytes=64 * 4096) as s:  # fmt: skip
+            keys = [key(i) for i in range(4)]
+            assert s.prepare_store(keys) is not None
+            s.complete_store(keys)
+            time.sleep(1.0)  # the daemon keeps the table alive meanwhile
+            assert s.lookup(keys) == 4
+            d.kill(signal.SIGKILL)
+            t0 = time.monotonic()
+            table = s.table
+            assert table is not None
+            while True:  # no other call: only the table's staleness can tell
+                try:
+                    table.lookup(keys)
+                except TableChanged:
+                    break
+                assert time.monotonic() - t0 < STALE_NS / 1e9 + 1.0
+                time.sleep(0.05)
+            assert s.lookup(keys) == 0  # the round trip, to a dead daemon: a miss
+    finally:
+        d.stop()

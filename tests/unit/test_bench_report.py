@@ -25,6 +25,8 @@ INDEX_FIELDS = [
     "us_per_key_prepare_store",
     "us_per_key_lookup",
     "bytes_per_block",
+    "key_bytes",
+    "table_bytes_per_block",
 ]
 TRACE_FIELDS = ["trace", "capacity_blocks", "policy", "hit_rate"]
 
@@ -44,8 +46,10 @@ def test_index_suite_writes_spec_json(tmp_path: Path, capsys: pytest.CaptureFixt
         assert row["num_blocks"] == 1000
         assert row["us_per_key_prepare_store"] > 0
         assert row["us_per_key_lookup"] > 0
-        # A key object alone is 41 bytes; a block costs more, yet not kilobytes.
-        assert 41 < row["bytes_per_block"] < 2000
+        # A 36-byte key object alone is 69 bytes; a block costs more, yet not kilobytes.
+        assert row["key_bytes"] == 36
+        assert 69 < row["bytes_per_block"] < 2000
+        assert row["table_bytes_per_block"] >= 2 * 72  # two buckets of 72 bytes, at least
 
     printed = capsys.readouterr().out
     assert "### kvd bench index" in printed
@@ -176,7 +180,7 @@ def test_machine_description(tmp_path: Path) -> None:
 
 
 def _index_row(num_blocks: int, policy: str, us: float, size: float) -> Row:
-    return dict(zip(INDEX_FIELDS, [num_blocks, policy, us, us, size], strict=True))
+    return dict(zip(INDEX_FIELDS, [num_blocks, policy, us, us, size, 36, 144.0], strict=True))
 
 
 def test_index_summary_states_the_bars() -> None:

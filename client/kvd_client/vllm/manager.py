@@ -118,7 +118,8 @@ class KvdOffloadingManager(OffloadingManager):
         """Whether a new step should look the request up again."""
         registered = len(getattr(ctx, "_offload_key_positions", ()))
         return (
-            state.hits is None
+            state.from_table  # a table lookup costs no message: always fresh
+            or state.hits is None
             or state.failed
             or registered != state.registered
             or key not in state.index
