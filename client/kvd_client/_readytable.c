@@ -6,9 +6,9 @@
    counter is even and unchanged across the read (a seqlock). One call looks up
    a whole batch of keys, so a lookup of 64 keys costs one call from Python.
 
-   lookup(table, keys, read_tries) -> hits >= 0, or -1 (the first key that is
-   not ready is being stored: None), or -2 (the epoch is odd or changed: ask
-   the daemon). `table` is any object with the buffer protocol (the read-only
+   lookup(table, keys, read_tries, stale_ns) -> hits >= 0, or -1 (the first key
+   that is not ready is being stored: None), or -2 (the epoch is odd or changed,
+   or the daemon has not written alive_ns for stale_ns: ask the daemon). `table` is any object with the buffer protocol (the read-only
    mmap); `keys` a list of bytes. The GIL is held: the loop is short and reads
    memory only.
 
@@ -19,10 +19,12 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <zlib.h>
 
 #define HEADER_BYTES 64
 #define EPOCH_OFFSET 32
+#define ALIVE_OFFSET 40
 #define BUCKET_BYTES 72
 #define KEY_OFFSET 8
 #define STATE_EMPTY 0
@@ -83,7 +85,8 @@ static PyObject *lookup(PyObject *self, PyObject *args)
     (void)self;
     PyObject *table, *keys;
     int tries;
-    if (!PyArg_ParseTuple(args, "OO!i", &table, &PyList_Type, &keys, &tries))
+    unsigned long long stale_ns;
+    if (!PyArg_ParseTuple(args, "OO!iK", &table, &PyList_Type, &keys, &tries, &stale_ns))
         return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(table, &view, PyBUF_SIMPLE) < 0)
@@ -102,10 +105,14 @@ static PyObject *lookup(PyObject *self, PyObject *args)
         return NULL;
     }
     long result = 0;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now); /* time.monotonic_ns()'s clock */
+    uint64_t now_ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    uint64_t alive_ns = load64(base + ALIVE_OFFSET);
     uint64_t epoch = load64(base + EPOCH_OFFSET);
     BARRIER();
-    if (epoch & 1) {
-        result = -2;
+    if ((epoch & 1) || now_ns - alive_ns > stale_ns) {
+        result = -2; /* reset under way, pool dropped, or its daemon stopped writing */
     } else {
         Py_ssize_t count = PyList_GET_SIZE(keys);
         for (Py_ssize_t k = 0; k < count; k++) {
@@ -138,8 +145,8 @@ static PyObject *lookup(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"lookup", lookup, METH_VARARGS,
-     "lookup(table, keys, read_tries) -> hits, -1 (being stored: None) or -2 (reset: ask "
-     "the daemon); the reads of kvd_client.ready_table.ReadyTable.lookup."},
+     "lookup(table, keys, read_tries, stale_ns) -> hits, -1 (being stored: None) or -2 "
+     "(reset, dropped or stale: ask the daemon); the reads of ReadyTable.lookup."},
     {NULL, NULL, 0, NULL},
 };
 

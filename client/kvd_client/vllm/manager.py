@@ -144,11 +144,12 @@ class KvdOffloadingManager(OffloadingManager):
         if old is not None:
             self._unpin(old, list(old.pinned))
         positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
-        ordered = [bytes(k) for k, _ in sorted(positions.items(), key=lambda kv: kv[1])]
+        ordered = sorted(positions, key=positions.__getitem__)  # OffloadKeys are bytes
         # Keys before the first one vLLM asks about are in vLLM's own cache.
         start = ordered.index(first) if first in ordered else len(ordered)
         keys = ordered[start:] if first in ordered else [first]
-        state = _Request(keys, len(ordered), self._step, index={k: i for i, k in enumerate(keys)})
+        index = dict(zip(keys, range(len(keys)), strict=True))
+        state = _Request(keys, len(ordered), self._step, index=index)
         self._requests[ctx.req_id] = state
         self._counters.add("lookup_keys", len(keys))
         if self._scheduler.table is not None:  # no round trip: pinned at prepare_load
