@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -619,3 +620,27 @@ def test_pin_counts_stay_64_bit_after_a_reset() -> None:
     index._refs[0] = (1 << 31) - 1  # as many pins as a 32-bit counter holds
     index.prepare_load([b"k"])
     assert index.ref_cnt(b"k") == 1 << 31
+
+
+@pytest.mark.parametrize("num_blocks", [1000, 10_000])
+def test_turnover_does_not_double_the_key_map(policy: str, num_blocks: int) -> None:
+    """Under churn CPython would size the key -> slot dict for 3x its live
+    entries; the index copies it compact instead, and answers the same."""
+
+    def store(start: int, count: int) -> None:
+        for first in range(start, start + count, 64):
+            keys = [i.to_bytes(36, "big") for i in range(first, min(first + 64, start + count))]
+            out = idx.prepare_store(keys)
+            assert out is not None
+            idx.complete_store(out.keys_to_store)
+            idx.take_events()
+
+    idx = BlockIndex(num_blocks, policy)
+    store(0, num_blocks)
+    after_fill = sys.getsizeof(idx._slot_of)
+    for turn in range(1, 4):
+        store(turn * num_blocks, num_blocks)
+        assert sys.getsizeof(idx._slot_of) <= after_fill, f"turnover {turn}"
+    newest = [i.to_bytes(36, "big") for i in range(4 * num_blocks - 64, 4 * num_blocks)]
+    assert idx.lookup(newest) == 64 and idx.num_ready == num_blocks
+    assert idx.check_invariants() == []

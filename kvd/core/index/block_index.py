@@ -15,11 +15,18 @@ key -> slot dict:
                  a LIFO stack of freed ids)
 
 At 1,000,000 blocks a block costs (tracemalloc, `kvd bench index`): its key
-object 41 bytes, its `_slot_of` entry 42 right after a fill and 84 once
-churn has made the dict regrow (CPython sizes it to 3x its live entries,
-rounded up to a power of two), its slot int 28, `_key_at` 8, `_ready` 1 and
-`_refs` 8; plus the policy: 9 for LRU, 68 for ARC (resident lists,
-fingerprints, room for 2c ghosts).
+object 72 bytes (36-byte keys), its `_slot_of` entry about 42, its slot int
+32, `_key_at` 8, `_ready` 1 and `_refs` 8; plus the policy: 9 for LRU, 68 for
+ARC (resident lists, fingerprints, room for 2c ghosts).
+
+Churn would double the dict: deleted entries keep their place until CPython
+resizes, and a resize sizes the dict for 3x its live entries (rounded up to
+a power of two), so a full index that only turns over sits at 84 to 105
+bytes an entry. So when `prepare_store` sees the dict grow after at least
+1/16 of its live count was deleted since the last growth (turnover, not a
+filling index), it copies it (`dict(d)` sizes for 1.5x), back to 42 to 52.
+The copy is O(n) once per n/16 insertions at most (at 1,000,000 blocks, once
+per ~400,000), so the amortized cost per key stays O(1).
 
 Every method validates its whole batch before it mutates anything, so misuse
 raises a `KvdError` and leaves the index exactly as it was.
@@ -27,6 +34,7 @@ raises a `KvdError` and leaves the index exactly as it was.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import Counter
 from collections.abc import Sequence
@@ -53,6 +61,8 @@ class BlockIndex:
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self._slot_of: dict[Key, int] = {}
+        self._slot_of_bytes = sys.getsizeof(self._slot_of)  # its size at the last growth
+        self._deleted = 0  # keys deleted from `_slot_of` since its last growth
         self._key_at: list[Key | None] = [None] * num_blocks
         self._ready = bytearray(num_blocks)
         # 64-bit: no number of pins on one block can overflow it.
@@ -189,6 +199,9 @@ class BlockIndex:
             key_at[slot] = key
             slots.append(slot)
         self._next_fresh = fresh
+        self._deleted += len(evicted)
+        if sys.getsizeof(slot_of) > self._slot_of_bytes:
+            self._regrown()
         self.policy.insert(slots, new_keys)
         self._num_not_ready += len(new_keys)
         if self.sink is not None:
@@ -228,8 +241,16 @@ class BlockIndex:
             for key, slot in pending.items():
                 del slot_of[key]
                 self._release_slot(slot)
+            self._deleted += len(pending)
         if self.sink is not None:
             (self.sink.ready if success else self.sink.gone)(list(pending))
+
+    def _regrown(self) -> None:
+        """`_slot_of` just grew: under turnover, a compact copy (module docstring)."""
+        if 16 * self._deleted >= len(self._slot_of):
+            self._slot_of = dict(self._slot_of)
+        self._slot_of_bytes = sys.getsizeof(self._slot_of)
+        self._deleted = 0
 
     def take_events(self) -> list[OffloadingEvent]:
         """Drains the events emitted since the last call, oldest first."""
@@ -253,6 +274,8 @@ class BlockIndex:
         """Drops every block, pinned or in flight, and any undrained event."""
         n = self.num_blocks
         self._slot_of.clear()
+        self._slot_of_bytes = sys.getsizeof(self._slot_of)
+        self._deleted = 0
         self._key_at = [None] * n
         self._ready = bytearray(n)
         self._refs = array("q", bytes(8 * n))  # 64-bit, as at start
