@@ -38,7 +38,7 @@ from kvd.version import __version__
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.geometry import Geometry
-from kvd_client.ready_table import table_name
+from kvd_client.ready_table import table_bytes, table_name
 from kvd_tools.launcher import DaemonProcess
 
 LEASE_MS = 3_600_000  # nothing expires during a run (100,000 inputs take minutes)
@@ -644,7 +644,7 @@ class Model:
         if pm is None:
             if min(lay.block_tokens, lay.world_size, lay.slot_bytes) < 1 or lay.world_size > 1024:
                 raise KvdError("layout", ErrorCode.BAD_REQUEST)
-            room = MAX_TOTAL - sum(x.geometry.size_bytes for x in self.pools.values())
+            room = MAX_TOTAL - self._used()
             wanted = DEFAULT_POOL if req.capacity_bytes is None else req.capacity_bytes
             if wanted < 1:
                 raise KvdError("capacity", ErrorCode.BAD_REQUEST)
@@ -698,6 +698,13 @@ class Model:
             table_name(f"/kvd.{name}.{pm.generation}"),  # the daemon publishes one a pool
         )
 
+    def _used(self) -> int:
+        """The daemon's used_bytes: each pool's segment and its ready table."""
+        return sum(
+            pm.geometry.size_bytes + table_bytes(pm.geometry.num_blocks)
+            for pm in self.pools.values()
+        )
+
     def _finished(self, sid: int, rid: int, reply: p.Reply) -> p.Reply:
         got = reply.results if isinstance(reply, p.FinishedResult) else []
         want = self.results.pop(sid, [])
@@ -721,7 +728,7 @@ class Model:
             len(self.jobs),
             0,
             MAX_TOTAL,
-            sum(pm.geometry.size_bytes for pm in self.pools.values()),
+            self._used(),
             [pm.info(name) for name, pm in self.pools.items()],
             reply.counters,
         )

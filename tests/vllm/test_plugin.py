@@ -74,6 +74,24 @@ def counters(daemon: DaemonProcess) -> dict[str, int]:
         conn.close()
 
 
+def counters_once_grown(
+    daemon: DaemonProcess,
+    before: dict[str, int],
+    names: tuple[str, ...] = ("hit_blocks", "loaded_blocks"),
+    at_least: int = 8,
+) -> dict[str, int]:
+    """The daemon's counters once each of `names` grew by `at_least` past `before`, or
+    after 15 s: lookups from the ready table reach the daemon as batched `Observe`
+    reports, sent by a thread of the engine's a few milliseconds later."""
+    deadline = time.monotonic() + 15
+    while True:
+        now = counters(daemon)
+        grown = all(now.get(n, 0) - before.get(n, 0) >= at_least for n in names)
+        if grown or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_model(tmp_path_factory.mktemp("tiny-llama"))
@@ -113,7 +131,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
         first.reset_prefix_cache()  # vLLM's own cache is empty now
         loaded = loaded_bytes(first)
         assert first.generate(PROMPTS) == reference
-        after = counters(daemon)
+        after = counters_once_grown(daemon, {})
         assert after.get("hit_blocks", 0) >= 8  # the shared prefix (once: vLLM caches it)
         assert after.get("loaded_blocks", 0) >= 8
         # vLLM's own figures: the bytes were copied in, none was handed back to recompute.
@@ -126,7 +144,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
         try:
             before = counters(daemon)
             assert second.generate(PROMPTS[:1]) == reference[:1]
-            both = counters(daemon)
+            both = counters_once_grown(daemon, before)
             assert both["hit_blocks"] - before.get("hit_blocks", 0) >= 8
             assert both["loaded_blocks"] - before.get("loaded_blocks", 0) >= 8
             assert loaded_bytes(second, 8 * PAGE_BYTES) >= 8 * PAGE_BYTES
@@ -139,7 +157,7 @@ def test_same_tokens_hits_after_a_reset_and_across_an_engine_restart(
     try:
         before = counters(daemon)
         assert restarted.generate(PROMPTS) == reference
-        now = counters(daemon)
+        now = counters_once_grown(daemon, before)
         assert (
             now["hit_blocks"] - before["hit_blocks"] >= 8
         )  # the shared prefix (once: vLLM caches it)
@@ -192,7 +210,9 @@ def test_tensor_parallel_two_ranks_share_one_sharded_pool(
         before = counters(daemon)
         assert engine.generate(PROMPTS) == reference
         assert (
-            counters(daemon)["hit_blocks"] - before["hit_blocks"] >= 8
+            counters_once_grown(daemon, before, ("hit_blocks",))["hit_blocks"]
+            - before["hit_blocks"]
+            >= 8
         )  # the shared prefix (once: vLLM caches it)
         info = pool_info(daemon, "tp2")
         assert info.layout.world_size == 2 and not info.layout.replicated
