@@ -96,9 +96,11 @@ class Service:
         try:
             request = p.request_decoder.decode(frame)
         except msgspec.ValidationError as exc:
+            self._renew_sender(identity, now)
             self._error(identity, salvage_req_id(frame), ErrorCode.BAD_REQUEST, str(exc))
             return
         except msgspec.DecodeError as exc:
+            self._renew_sender(identity, now)
             self._error(identity, 0, ErrorCode.BAD_REQUEST, f"undecodable frame: {exc}")
             return
         try:
@@ -110,6 +112,13 @@ class Service:
         except Exception as exc:  # the server loop must survive any handler bug
             log.exception("event=handler_failed request=%s", type(request).__name__)
             self._error(identity, request.req_id, ErrorCode.INTERNAL, repr(exc))
+
+    def _renew_sender(self, identity: bytes, now: float) -> None:
+        """Any message renews its session's lease (SPEC 7), an undecodable one too:
+        its sender is alive."""
+        session = self.sessions.by_identity(identity)
+        if session is not None:
+            self.sessions.renew(session, now)
 
     def tick(self, now: float) -> None:
         """Expires leases and jobs; call a few times per lease period."""

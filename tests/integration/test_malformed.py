@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import msgspec
 import zmq
@@ -49,7 +50,9 @@ def _bad_frames(rng: random.Random, n: int) -> list[bytes]:
 
 
 def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
-    rng = random.Random(1234)
+    # Built before the session opens: building them takes longer than the test
+    # daemon's 600 ms lease, during which the session would be silent.
+    frames = _bad_frames(random.Random(1234), 10_000)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +68,6 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
             ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))), p.Welcome
         )
         assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
-        frames = _bad_frames(rng, 10_000)
         codes: dict[str, int] = {}
         for start in range(0, len(frames), 500):  # pipelined in windows of 500
             batch = frames[start : start + 500]
@@ -98,5 +100,30 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
         inv = ask(p.encoder.encode(p.CheckInvariants(100, daemon.admin_token)))
         assert isinstance(inv, p.InvariantsResult) and inv.problems == []
         assert daemon.proc is not None and daemon.proc.poll() is None
+    finally:
+        sock.close()
+
+
+def test_undecodable_frames_renew_the_lease(daemon: DaemonProcess) -> None:
+    """SPEC 7: any message renews a lease, one the daemon cannot decode too."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+
+    def ask(frame: bytes) -> p.Reply:
+        sock.send(frame)
+        assert sock.poll(5000), "the daemon stopped answering"
+        return p.reply_decoder.decode(sock.recv())
+
+    try:
+        assert isinstance(
+            ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))), p.Welcome
+        )
+        assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
+        deadline = time.monotonic() + 3 * 0.6  # three of the test daemon's leases
+        while time.monotonic() < deadline:
+            assert ask(b"\xc1garbage").code == "BAD_REQUEST"  # 0xc1: never valid msgpack
+            time.sleep(0.1)
+        assert isinstance(ask(p.encoder.encode(p.Lookup(3, [b"k"]))), p.LookupResult)
     finally:
         sock.close()
