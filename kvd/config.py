@@ -63,6 +63,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     max_pending_results: Positive = 65_536
     prefault: bool = True
     ready_tables: bool = True  # publish each pool's ready set in shared memory (SPEC 15)
+    # "warm": a start adopts the pools an earlier run left in this runtime dir,
+    # and a shutdown keeps them (SPEC 13); "cold": both unlink them.
+    restart: Literal["warm", "cold"] = "warm"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # KV events in vLLM's wire format. "" = ipc://<runtime_dir>/events.sock
     # (replay.sock); "none" disables; tcp://host:port binds TCP as well.

@@ -235,6 +235,7 @@ class Attached(_Msg, frozen=True):
     num_slots: int
     slot_stride: int
     ready_table: str = ""  # the pool's ready table (SPEC section 15); "" when none
+    data_offset: int = 0  # where the rows start in the segment (SPEC section 13)
 
 
 class Ok(_Msg, frozen=True):

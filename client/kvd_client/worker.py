@@ -56,12 +56,20 @@ class Mapping:
         shm = posix_ipc.SharedMemory(attached.shm_name)
         try:
             size = self.geometry.size_bytes
-            if shm.size < size:
+            if shm.size < attached.data_offset + size:
                 raise BadRequest(
-                    f"segment {attached.shm_name} is {shm.size} bytes, expected {size}"
+                    f"segment {attached.shm_name} is {shm.size} bytes, expected "
+                    f"{attached.data_offset + size}"
                 )
+            # Only the rows (SPEC 13): every SPEC 3 offset holds within the mapping.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.mm = mmap.mmap(shm.fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.mm = mmap.mmap(
+                shm.fd,
+                size,
+                flags,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=attached.data_offset,
+            )
         finally:
             shm.close_fd()
 

@@ -2,7 +2,9 @@
 
 The first `Attach` with a new name creates a pool (or it is declared in the
 config); later attaches must present an equal `Layout`. Pools outlive the
-engines attached to them until `kvd pool drop NAME` or daemon shutdown.
+engines attached to them until `kvd pool drop NAME`, and with `restart =
+"warm"` the daemon too: `adopt` takes back the segments an earlier run left,
+with their ready blocks (SPEC section 13), and `close(keep=True)` leaves them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
+
 from kvd.config import Config
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
@@ -22,6 +26,10 @@ from kvd.io.region import Manifest, SharedRegion
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Attached, Layout, PoolInfo
 from kvd_client.ready_table import table_name
+from kvd_client.segment import BadSegment, SegmentHeader
+
+_layout_encoder = msgspec.msgpack.Encoder()
+_layout_decoder = msgspec.msgpack.Decoder(Layout)
 
 log = logging.getLogger("kvd.control.pools")
 
@@ -55,6 +63,7 @@ class Pool:
             g.num_slots,
             g.slot_stride,
             self.table.name if self.table is not None else "",
+            self.region.header.data_offset,
         )
 
     def info(self) -> PoolInfo:
@@ -76,6 +85,15 @@ class Pool:
         )
 
 
+@dataclass(frozen=True)
+class Found:
+    """A segment of an earlier run that a warm start may adopt."""
+
+    shm: str
+    header: SegmentHeader
+    layout: Layout
+
+
 def _check_layout(layout: Layout) -> None:
     if layout.block_tokens < 1 or layout.world_size < 1 or layout.slot_bytes < 1:
         raise BadRequest("layout: block_tokens, world_size and slot_bytes must be >= 1")
@@ -89,6 +107,7 @@ class PoolRegistry:
         self._manifest = manifest
         self._gid = gid
         self._pools: dict[str, Pool] = {}
+        self.refused: list[str] = []  # pools whose segments a warm start refused
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(list(self._pools.values()))
@@ -109,7 +128,7 @@ class PoolRegistry:
     def used_bytes(self) -> int:
         """Shared memory the pools hold: their segments and their ready tables."""
         return sum(
-            p.geometry.size_bytes + (p.table.nbytes if p.table is not None else 0)
+            p.region.size + (p.table.nbytes if p.table is not None else 0)
             for p in self._pools.values()
         )
 
@@ -142,36 +161,46 @@ class PoolRegistry:
             capacity_bytes=min(wanted, room),
         )
         generation = time.time_ns() // 1000
+        header = self._header(name, layout, geometry, generation, policy)
+        if header.size_bytes > room:
+            if capacity_bytes is not None:
+                raise TooLarge(
+                    f"pool {name!r} needs {header.size_bytes} bytes with its slot table; "
+                    f"{room} of max_total_bytes {self.config.max_total_bytes} are left"
+                )
+            # The default size: fewer blocks, so that the rows and the table fit.
+            geometry = Geometry.plan(
+                slot_bytes=layout.slot_bytes,
+                world_size=layout.world_size,
+                replicated=layout.replicated,
+                capacity_bytes=room - (header.size_bytes - geometry.size_bytes),
+            )
+            header = self._header(name, layout, geometry, generation, policy)
         region = None
         for _ in range(16):
             try:
                 region = SharedRegion(
                     f"/kvd.{name}.{generation}",
-                    geometry.size_bytes,
+                    header,
                     gid=self._gid,
                     prefault=self.config.prefault,
                     manifest=self._manifest,
                     reserved=sum(
-                        p.geometry.size_bytes for p in self._pools.values() if p.region.prefaulting
+                        p.region.size for p in self._pools.values() if p.region.prefaulting
                     ),
                 )
                 break
             except FileExistsError:
                 generation += 1
+                header = self._header(name, layout, geometry, generation, policy)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
                 raise TooLarge(f"pool {name!r}: {exc.strerror}") from None
         if region is None:
             raise TooLarge(f"cannot create a segment for pool {name!r}: names in use")
-        pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))
         index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
-        table = self._table(region, geometry.num_blocks, generation)
-        index.sink = table
-        pool = Pool(
-            name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
-        )
-        self._pools[name] = pool
+        pool = self._add(name, layout, geometry, generation, region, index, policy)
         log.info(
             "event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
             name,
@@ -182,6 +211,127 @@ class PoolRegistry:
             policy,
         )
         return pool
+
+    @staticmethod
+    def _header(
+        name: str, layout: Layout, g: Geometry, generation: int, policy: str
+    ) -> SegmentHeader:
+        return SegmentHeader(
+            generation, g.num_blocks, g.row_bytes, g.slot_bytes, g.num_slots, g.slot_stride,
+            g.replicated, name, _layout_encoder.encode(layout), policy,
+        )  # fmt: skip
+
+    def _add(
+        self,
+        name: str,
+        layout: Layout,
+        geometry: Geometry,
+        generation: int,
+        region: SharedRegion,
+        index: BlockIndex,
+        policy: str,
+    ) -> Pool:
+        pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))
+        table = self._table(region, geometry.num_blocks, generation)
+        index.sink = table
+        index.slot_sink = region.table
+        pool = Pool(
+            name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
+        )
+        self._pools[name] = pool
+        return pool
+
+    def check_segments(self, names: list[str]) -> list[Found]:
+        """The pool segments of an earlier run among `names` (the manifest's) that
+        this daemon may adopt (SPEC 13). Each one refused is named in `refused`
+        with one log line; the caller unlinks it. A pool declared in the config
+        must match its segment's layout and size."""
+        declared = {pc.name: pc for pc in self.config.pools}
+        found: dict[str, Found] = {}
+
+        def refuse(shm: str, pool: str, reason: str) -> None:
+            log.warning("event=pool_not_adopted pool=%s shm=%s reason=%s", pool, shm, reason)
+            self.refused.append(pool)
+
+        for shm in names:
+            if shm.endswith(".ready") or not shm.startswith("/kvd."):
+                continue
+            pool_name = shm[len("/kvd.") :].rpartition(".")[0] or shm
+            try:
+                header = SharedRegion.adopt(shm, self._gid)
+                if header.name != pool_name or f"/kvd.{header.name}.{header.generation}" != shm:
+                    raise BadSegment(f"header names pool {header.name!r} gen {header.generation}")
+                try:
+                    layout = _layout_decoder.decode(header.layout)
+                    _check_layout(layout)
+                except (msgspec.DecodeError, msgspec.ValidationError, BadRequest) as exc:
+                    raise BadSegment(f"layout in header: {exc}") from None
+                planned = Geometry.plan(
+                    slot_bytes=layout.slot_bytes,
+                    world_size=layout.world_size,
+                    replicated=layout.replicated,
+                    capacity_bytes=header.num_blocks * header.row_bytes,
+                )
+                if (planned.num_blocks, planned.row_bytes, planned.slot_stride) != (
+                    header.num_blocks, header.row_bytes, header.slot_stride,
+                ):  # fmt: skip
+                    raise BadSegment("header geometry does not follow from its layout")
+                pc = declared.get(pool_name)
+                if pc is not None:
+                    want = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size,
+                                  pc.replicated, pc.slot_bytes, pc.extra)  # fmt: skip
+                    size = pc.capacity_bytes // header.row_bytes
+                    if want != layout or size != header.num_blocks:
+                        raise BadSegment(
+                            "the config declares this pool with another layout or size"
+                        )
+            except BadSegment as exc:
+                refuse(shm, pool_name, str(exc))
+                continue
+            held = found.get(pool_name)
+            if held is not None:  # two generations of one pool: the newer one stays
+                older, newer = sorted([held, Found(shm, header, layout)],
+                                      key=lambda f: f.header.generation)  # fmt: skip
+                refuse(older.shm, pool_name, "a newer generation of the pool is here")
+                found[pool_name] = newer
+            else:
+                found[pool_name] = Found(shm, header, layout)
+        kept: list[Found] = []
+        total = 0
+        for f in found.values():
+            if total + f.header.size_bytes > self.config.max_total_bytes:
+                refuse(f.shm, f.header.name, "its size is above what max_total_bytes leaves")
+                continue
+            total += f.header.size_bytes
+            kept.append(f)
+        return kept
+
+    def adopt(self, checked: list[Found]) -> list[Pool]:
+        """Takes back the segments `check_segments` kept, each with its ready blocks."""
+        declared = {pc.name: pc for pc in self.config.pools}
+        adopted = []
+        for f in checked:
+            shm, header, layout, pool_name = f.shm, f.header, f.layout, f.header.name
+            start = time.monotonic()
+            region = SharedRegion(
+                shm, header, gid=self._gid, prefault=False, manifest=self._manifest, adopted=True
+            )
+            slots, keys, bad = region.table.ready_entries()
+            h = header
+            geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
+                                h.slot_stride, h.replicated)  # fmt: skip
+            policy = declared[pool_name].policy if pool_name in declared else None
+            policy = policy or self.config.policy
+            index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
+            pool = self._add(pool_name, layout, geometry, header.generation, region, index, policy)
+            index.adopt(slots, keys)
+            adopted.append(pool)
+            log.info(
+                "event=pool_adopted pool=%s shm=%s blocks_ready=%d entries_refused=%d "
+                "blocks=%d seconds=%.3f",
+                pool_name, shm, len(keys), bad, geometry.num_blocks, time.monotonic() - start,
+            )  # fmt: skip
+        return adopted
 
     def _table(
         self, region: SharedRegion, num_blocks: int, generation: int
@@ -207,6 +357,16 @@ class PoolRegistry:
         log.info("event=pool_dropped pool=%s shm=%s", name, pool.region.name)
         return pool
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Drops every pool, or with `keep` (a warm daemon's shutdown) unmaps each
+        and leaves its segment, with its ready blocks, to the next run."""
         for name in list(self._pools):
-            self.drop(name)
+            if not keep:
+                self.drop(name)
+                continue
+            pool = self._pools.pop(name)
+            if pool.table is not None:
+                pool.table.close()  # the ready table is rebuilt at the next start
+            pool.region.release()
+            log.info("event=pool_kept pool=%s shm=%s blocks_ready=%d",
+                     name, pool.region.name, pool.index.num_ready)  # fmt: skip

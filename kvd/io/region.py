@@ -1,7 +1,12 @@
-"""Runs in the daemon: one POSIX shared-memory segment, its owner and its cleanup.
+"""Runs in the daemon: one POSIX shared-memory segment, its owner, its slot table and its cleanup.
 
 The daemon creates, sizes, prefaults and finally unlinks each pool's segment;
 it never reads or writes block data. Workers map the same segment by name.
+The segment starts with a header and a slot table (`kvd_client.segment`, SPEC
+section 13), which the daemon maps and writes (`SlotTable`); the rows follow
+at `data_offset`. On a warm start (`restart = "warm"`) `SharedRegion.adopt`
+opens a segment of an earlier run and checks it: owner, mode, group, size,
+header; the pool keeps it, with the ready entries of its slot table.
 
 Prefaulting allocates every page up front so that page allocation never lands
 in a transfer. It runs on a thread of its own (`posix_fallocate`, which
@@ -12,10 +17,11 @@ shared-memory filesystem is checked before, on the caller's thread, so a
 pool that cannot be backed is refused at once rather than failing later.
 
 Cleanup order: `close()` unmaps, then unlinks the name (engines that still map
-it keep their pages until they unmap), then drops the manifest entry. The
-manifest (`<runtime_dir>/segments`) lists every segment this runtime dir
-created, so a restart unlinks exactly the stale segments of its own earlier
-run and never another daemon's.
+it keep their pages until they unmap), then drops the manifest entry;
+`release()` (a warm daemon's shutdown) only unmaps. The manifest
+(`<runtime_dir>/segments`) lists every segment this runtime dir created, so
+a restart adopts or unlinks exactly the segments of its own earlier run and
+never another daemon's.
 """
 
 from __future__ import annotations
@@ -23,13 +29,28 @@ from __future__ import annotations
 import errno
 import grp
 import logging
+import mmap
 import os
+import stat
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
 import posix_ipc
+
+from kvd_client.segment import (
+    ENTRY,
+    ENTRY_BYTES,
+    FREE,
+    MAX_HEADER_BYTES,
+    READY,
+    BadSegment,
+    SegmentHeader,
+    entry_crc,
+    read_header,
+)
 
 log = logging.getLogger("kvd.io.region")
 
@@ -57,16 +78,19 @@ class Manifest:
     def remove(self, name: str) -> None:
         self._write([n for n in self.names() if n != name])
 
-    def unlink_stale(self) -> list[str]:
-        """Unlinks every segment listed by an earlier run; returns their names."""
+    def unlink_stale(self, keep: Sequence[str] = ()) -> list[str]:
+        """Unlinks every segment listed by an earlier run but those in `keep`;
+        returns the names unlinked."""
         gone = []
         for name in self.names():
+            if name in keep:
+                continue
             try:
                 posix_ipc.unlink_shared_memory(name)
                 gone.append(name)
             except posix_ipc.ExistentialError:
                 pass  # already gone (e.g. after a reboot): nothing to unlink
-        self._write([])
+        self._write([n for n in self.names() if n in keep])
         return gone
 
 
@@ -82,39 +106,55 @@ def group_id(group: str) -> int | None:
         raise ValueError(f"group {group!r} does not exist") from None
 
 
+def segment_mode(gid: int | None) -> int:
+    """A pool segment's mode: the service group reads and writes it, no one else."""
+    return 0o660 if gid is not None else 0o600
+
+
 class SharedRegion:
-    """A created segment. Owns the name (unlinked on close) and a prefault mapping."""
+    """A pool's segment. Owns the name (unlinked on close), a prefault mapping, and
+    the mapped header and slot table (`table`)."""
 
     def __init__(
         self,
         name: str,
-        size: int,
+        header: SegmentHeader,
         *,
         gid: int | None,
         prefault: bool,
         manifest: Manifest,
         reserved: int = 0,
+        adopted: bool = False,
     ) -> None:
-        """`reserved`: bytes other segments are still being prefaulted with, so
-        their pages count as taken when this one checks for room."""
+        """Creates the segment and writes `header`, or with `adopted` takes over the
+        segment of an earlier run that `adopt` checked. `reserved`: bytes other
+        segments are still being prefaulted with, so their pages count as taken
+        when this one checks for room."""
         self.name = name
-        self.size = size
+        self.header = header
+        self.size = size = header.size_bytes
         self._manifest = manifest
         self._prefaulter: threading.Thread | None = None
         self.prefault_error: str | None = None  # set by the prefault thread when it failed
-        mode = 0o660 if gid is not None else 0o600
+        mode = segment_mode(gid)
+        if adopted:
+            shm = posix_ipc.SharedMemory(name)
+        else:
+            try:
+                shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
+            except posix_ipc.ExistentialError:
+                raise FileExistsError(f"shared memory segment {name} already exists") from None
+            manifest.add(name)
         try:
-            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=size)
-        except posix_ipc.ExistentialError:
-            raise FileExistsError(f"shared memory segment {name} already exists") from None
-        manifest.add(name)
-        try:
-            # posix_ipc's mode passes through the umask; set it exactly.
-            os.fchmod(shm.fd, mode)
-            if gid is not None:
-                os.fchown(shm.fd, -1, gid)
-            if prefault:
-                self._check_room(shm.fd, size + reserved)
+            if not adopted:
+                # posix_ipc's mode passes through the umask; set it exactly.
+                os.fchmod(shm.fd, mode)
+                if gid is not None:
+                    os.fchown(shm.fd, -1, gid)
+                if prefault:
+                    self._check_room(shm.fd, size + reserved)
+            self.table = SlotTable(shm.fd, header, fresh=not adopted)
+            if prefault and not adopted:
                 self._prefaulter = threading.Thread(
                     target=self._prefault,
                     args=(os.dup(shm.fd), size),
@@ -124,9 +164,31 @@ class SharedRegion:
                 self._prefaulter.start()
         except BaseException:
             shm.close_fd()
-            self._unlink()
+            if not adopted:
+                self._unlink()
             raise
         shm.close_fd()
+
+    @staticmethod
+    def adopt(name: str, gid: int | None) -> SegmentHeader:
+        """The header of an earlier run's segment `name`, after checking that this
+        daemon may keep it; `BadSegment` (the reason) if not."""
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise BadSegment("gone") from None
+        try:
+            st = os.fstat(shm.fd)
+            if st.st_uid != os.geteuid():
+                raise BadSegment(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+            mode = stat.S_IMODE(st.st_mode)
+            if mode != segment_mode(gid):
+                raise BadSegment(f"mode {mode:o}, not {segment_mode(gid):o}")
+            if gid is not None and st.st_gid != gid:
+                raise BadSegment(f"group {st.st_gid}, not {gid}")
+            return read_header(os.pread(shm.fd, min(st.st_size, MAX_HEADER_BYTES), 0), st.st_size)
+        finally:
+            shm.close_fd()
 
     @staticmethod
     def _check_room(fd: int, size: int) -> None:
@@ -169,8 +231,16 @@ class SharedRegion:
         self._manifest.remove(self.name)
 
     def close(self) -> None:
+        """Unmaps and unlinks: the segment is gone."""
         if self.size >= 0:
+            self.table.close()
             self._unlink()
+            self.size = -1
+
+    def release(self) -> None:
+        """Unmaps and keeps the segment and its manifest entry, for the next run."""
+        if self.size >= 0:
+            self.table.close()
             self.size = -1
 
     def __enter__(self) -> SharedRegion:
@@ -180,3 +250,67 @@ class SharedRegion:
         self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+class SlotTable:
+    """The segment's header and slot table, mapped by the daemon: the pool index's
+    slot sink (`kvd.core.index.types.SlotSink`). Write order: `kvd_client.segment`."""
+
+    def __init__(self, fd: int, header: SegmentHeader, *, fresh: bool) -> None:
+        self.header = header
+        self._base = header.table_offset
+        self._mm = mmap.mmap(fd, header.data_offset)
+        self.seq = 0  # the last store sequence number written
+        if fresh:
+            self._mm[: header.table_offset] = header.pack().ljust(header.table_offset, b"\0")
+
+    def ready(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        mm, base, pack_into = self._mm, self._base, ENTRY.pack_into
+        for slot, key in zip(slots, keys, strict=True):
+            self.seq += 1
+            at = base + slot * ENTRY_BYTES
+            pack_into(mm, at, FREE, len(key), 0, entry_crc(key, self.seq), self.seq, key)
+            mm[at] = READY  # last: the entry is whole before it says so
+
+    def freed(self, slots: Sequence[int]) -> None:
+        mm, base = self._mm, self._base
+        for slot in slots:
+            mm[base + slot * ENTRY_BYTES] = FREE
+
+    def reset(self) -> None:
+        n = self.header.num_blocks
+        self._mm[self._base : self._base + n * ENTRY_BYTES : ENTRY_BYTES] = bytes(n)
+
+    def ready_entries(self) -> tuple[list[int], list[bytes], int]:
+        """The READY entries whose crc holds, oldest store first, a later duplicate
+        of a key winning: (slots, keys, entries refused). The refused are freed."""
+        base, n = self._base, self.header.num_blocks
+        states = self._mm[base : base + n * ENTRY_BYTES : ENTRY_BYTES]
+        found: dict[bytes, tuple[int, int]] = {}
+        refused: list[int] = []
+        unpack_from = ENTRY.unpack_from
+        slot = states.find(READY)
+        while slot >= 0:
+            _, klen, _, crc, seq, raw = unpack_from(self._mm, base + slot * ENTRY_BYTES)
+            key = raw[:klen]
+            if not 1 <= klen <= 64 or entry_crc(key, seq) != crc:
+                refused.append(slot)
+            else:
+                held = found.get(key)
+                if held is None or held[0] < seq:
+                    if held is not None:
+                        refused.append(held[1])
+                    found[key] = (seq, slot)
+                else:
+                    refused.append(slot)
+            slot = states.find(READY, slot + 1)
+        self.freed(refused)
+        order = sorted(found.items(), key=lambda item: item[1][0])
+        self.seq = order[-1][1][0] if order else 0
+        return [s for _, (_, s) in order], [k for k, _ in order], len(refused)
+
+    def close(self) -> None:
+        try:
+            self._mm.close()
+        except BufferError:
+            log.warning("event=slot_table_still_referenced; it is unmapped with its views")

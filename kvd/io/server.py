@@ -76,12 +76,23 @@ class Server:
         if gid is not None:
             os.chown(runtime, -1, gid)
         manifest = Manifest(runtime / "segments")
-        stale = manifest.unlink_stale()
+        self.pools = PoolRegistry(cfg, manifest, gid)
+        adopted: list[str] = []
+        refused: list[str] = []
+        if cfg.restart == "warm":
+            # Checked before anything is unlinked; the ready tables are rebuilt.
+            checked = self.pools.check_segments(manifest.names())
+            stale = manifest.unlink_stale(keep=[c.shm for c in checked])
+            adopted = [pool.name for pool in self.pools.adopt(checked)]
+            refused = self.pools.refused
+        else:
+            stale = manifest.unlink_stale()
         if stale:
             log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
-        self.pools = PoolRegistry(cfg, manifest, gid)
         self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
         for pc in cfg.pools:
+            if pc.name in adopted:
+                continue
             layout = Layout(
                 pc.model,
                 pc.dtype,
@@ -104,9 +115,13 @@ class Server:
             int_block_hashes=cfg.events_int_hashes,
             event_format=cfg.events_format,
         )
-        for pool in self.pools:  # every pool is announced cleared at start
-            self.publisher.all_cleared(pool.name)
+        # A pool created now starts over, and so does one refused warm; an
+        # adopted pool announces its blocks instead (its adoption's stored event).
+        for name in dict.fromkeys([*refused, *(p.name for p in self.pools)]):
+            if name not in adopted:
+                self.publisher.all_cleared(name)
         self.publisher.flush(time.time())
+        self._publish()
         if cfg.metrics_addr:
             port = self.metrics.start_http(cfg.metrics_addr)
             log.info("event=metrics_listening addr=%s port=%d", cfg.metrics_addr, port)
@@ -303,10 +318,12 @@ class Server:
         if self._control is not None and self.service is not None:
             self._flush()
         if self.pools is not None and self.service is not None:
-            self.service.admin.announce_cleared()
+            warm = self.config.restart == "warm"
+            if not warm:  # a warm daemon's pools live on, blocks and all
+                self.service.admin.announce_cleared()
             if self.publisher is not None:
                 self._publish()
-            self.pools.close()
+            self.pools.close(keep=warm)
         if self.publisher is not None:
             self.publisher.close()
         self.metrics.close()

@@ -12,8 +12,9 @@ from kvd_tools.launcher import DaemonProcess
 
 
 @pytest.fixture
-def daemon() -> Iterator[DaemonProcess]:
-    d = DaemonProcess().start()
+def daemon(request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
+    """A daemon on the test flags; `indirect` parametrization passes more flags."""
+    d = DaemonProcess(**getattr(request, "param", {})).start()
     try:
         yield d
     finally:

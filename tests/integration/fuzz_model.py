@@ -39,6 +39,7 @@ from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.geometry import Geometry
 from kvd_client.ready_table import table_bytes, table_name
+from kvd_client.segment import SegmentHeader
 from kvd_tools.launcher import DaemonProcess
 
 LEASE_MS = 3_600_000  # nothing expires during a run (100,000 inputs take minutes)
@@ -656,6 +657,16 @@ class Model:
                 replicated=lay.replicated,
                 capacity_bytes=min(wanted, room),
             )
+            overhead = self._data_offset(name, 0, g, lay)  # header and slot table (SPEC 13)
+            if overhead + g.size_bytes > room:
+                if req.capacity_bytes is not None:
+                    raise KvdError("capacity with the slot table", ErrorCode.TOO_LARGE)
+                g = Geometry.plan(
+                    slot_bytes=lay.slot_bytes,
+                    world_size=lay.world_size,
+                    replicated=lay.replicated,
+                    capacity_bytes=room - overhead,
+                )
             expect(isinstance(reply, p.Attached), f"expected Attached, got {reply!r}")
             assert isinstance(reply, p.Attached)
             index = BlockIndex(g.num_blocks, "lru", lay.block_tokens)
@@ -696,14 +707,24 @@ class Model:
             g.num_slots,
             g.slot_stride,
             table_name(f"/kvd.{name}.{pm.generation}"),  # the daemon publishes one a pool
+            self._data_offset(name, pm.generation, g, req.layout),
         )
 
     def _used(self) -> int:
         """The daemon's used_bytes: each pool's segment and its ready table."""
         return sum(
-            pm.geometry.size_bytes + table_bytes(pm.geometry.num_blocks)
-            for pm in self.pools.values()
+            self._data_offset(name, pm.generation, pm.geometry, pm.layout)
+            + pm.geometry.size_bytes
+            + table_bytes(pm.geometry.num_blocks)
+            for name, pm in self.pools.items()
         )
+
+    @staticmethod
+    def _data_offset(name: str, generation: int, g: Geometry, layout: p.Layout) -> int:
+        """Where the daemon's segment puts the rows (SPEC 13)."""
+        return SegmentHeader(generation, g.num_blocks, g.row_bytes, g.slot_bytes, g.num_slots,
+                             g.slot_stride, g.replicated, name, msgspec.msgpack.encode(layout),
+                             "").data_offset  # fmt: skip
 
     def _finished(self, sid: int, rid: int, reply: p.Reply) -> p.Reply:
         got = reply.results if isinstance(reply, p.FinishedResult) else []

@@ -171,11 +171,13 @@ def test_daemon_killed_and_restarted_client_recovers(daemon: DaemonProcess) -> N
         while not s.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.connected
-        assert s.lookup(keys(2)) == 0  # a fresh daemon starts cold
+        assert s.lookup(keys(2)) == 2  # a restarted daemon adopts its pools warm (SPEC 13)
         out = s.prepare_store(keys(2))
-        assert out is not None and out.keys_to_store == keys(2)
-        s.complete_store(keys(2))
-        assert s.lookup(keys(2)) == 2
+        assert out is not None and out.keys_to_store == []  # both are there already
+        out = s.prepare_store(keys(4))
+        assert out is not None and out.keys_to_store == keys(4)[2:]
+        s.complete_store(keys(4))
+        assert s.lookup(keys(4)) == 4
     finally:
         s.close()
 
@@ -247,6 +249,7 @@ def test_permissions(tmp_path: object) -> None:
         d.stop()
 
 
+@pytest.mark.parametrize("daemon", [{"restart": "cold"}], indirect=True)
 def test_sigterm_unlinks_segments_and_exits_zero(daemon: DaemonProcess) -> None:
     with Scheduler("bye", MHA, engine_id="e", endpoint=daemon.endpoint) as s:
         assert s.attached is not None
@@ -257,6 +260,7 @@ def test_sigterm_unlinks_segments_and_exits_zero(daemon: DaemonProcess) -> None:
     assert daemon.segments() == []
 
 
+@pytest.mark.parametrize("daemon", [{"restart": "cold"}], indirect=True)
 def test_restart_unlinks_stale_segments(daemon: DaemonProcess) -> None:
     with Scheduler("stale", MHA, engine_id="e", endpoint=daemon.endpoint) as s:
         assert s.attached is not None

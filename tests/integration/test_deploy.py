@@ -20,6 +20,9 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     assert "Type=notify" in unit and "LimitMEMLOCK=infinity" in unit
     # PrivateDevices would hide /dev/shm from the engines.
     assert "PrivateDevices=" not in unit
+    # A warm restart needs the manifest in the runtime dir and the service
+    # user's shm to outlive the process (SPEC 13), across stop and start too.
+    assert "RuntimeDirectoryPreserve=yes" in unit and "RemoveIPC=no" in unit
     # verify insists that ExecStart's binary exists: point it at this venv's kvd.
     kvd = Path(sys.executable).with_name("kvd")
     assert kvd.exists()

@@ -288,7 +288,7 @@ def test_no_table_means_the_round_trip_and_the_same_answers() -> None:
 
 
 def test_a_restarted_daemon_publishes_a_new_table_and_the_scheduler_maps_it() -> None:
-    d = DaemonProcess(lease_ms="3000").start()
+    d = DaemonProcess(lease_ms="3000", restart="cold").start()
     try:
         with Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
                        capacity_bytes=64 * 4096) as s:  # fmt: skip

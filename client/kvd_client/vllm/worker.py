@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import BadRequest, KvdError
-from kvd_client.geometry import Geometry
+from kvd_client.segment import read_segment_header
 from kvd_client.vllm.manager import UNSERVABLE
 from kvd_client.worker import Mapping
 
@@ -114,17 +114,11 @@ class KvdOffloadingWorker(OffloadingWorker):
         name = f"/kvd.{self._pool}.{generation}"
         shm = posix_ipc.SharedMemory(name)
         try:
-            size = shm.size
+            h = read_segment_header(shm.fd)
         finally:
             shm.close_fd()
-        g = Geometry.plan(
-            slot_bytes=self._layout.slot_bytes,
-            world_size=self._layout.world_size,
-            replicated=self._layout.replicated,
-            capacity_bytes=size,
-        )
-        self._map(p.Attached(0, name, generation, g.num_blocks, g.row_bytes, g.slot_bytes,
-                             g.num_slots, g.slot_stride))  # fmt: skip
+        self._map(p.Attached(0, name, generation, h.num_blocks, h.row_bytes, h.slot_bytes,
+                             h.num_slots, h.slot_stride, "", h.data_offset))  # fmt: skip
 
     def _map(self, reply: p.Attached) -> None:
         mapping = Mapping(reply, self._layout.replicated)
@@ -206,7 +200,12 @@ class KvdOffloadingWorker(OffloadingWorker):
                     "store" if store else "load",
                 )
                 return None
-            except (posix_ipc.Error, OSError, KvdError) as exc:
+            except (
+                posix_ipc.Error,
+                OSError,
+                ValueError,
+                KvdError,
+            ) as exc:  # ValueError: BadSegment
                 if store:  # its daemon is alive and would complete a store never written
                     raise KvdError(
                         f"kvd worker rank {self._rank} cannot map pool {self._pool!r} "

@@ -46,6 +46,7 @@ from kvd.core.index.types import (
     OffloadingEvent,
     PrepareStoreOutput,
     ReadySink,
+    SlotSink,
 )
 from kvd.errors import BadRequest, MissingKey, NotPinned, NotReady
 
@@ -73,6 +74,7 @@ class BlockIndex:
         self._num_pinned = 0
         self._events: list[OffloadingEvent] = []
         self.sink: ReadySink | None = None  # told of every change lookups would see
+        self.slot_sink: SlotSink | None = None  # told which slots hold ready blocks (SPEC 13)
         self.policy = make_policy(policy, num_blocks, self._is_ready, self._is_evictable)
 
     # -- policy callbacks (read-only) -------------------------------------
@@ -167,6 +169,7 @@ class BlockIndex:
             return None
         need = len(new_keys) - self.num_free
         evicted: list[Key] = []
+        victims_freed: Sequence[int] = ()
         if need > 0:
             # The present keys of the call are protected; all-new keys need no set.
             protected = (
@@ -178,6 +181,7 @@ class BlockIndex:
             if victims is None:
                 return None
             ready = self._ready
+            victims_freed = victims
             for slot in victims:
                 key = key_at[slot]
                 assert key is not None, "the policy evicted a free slot"
@@ -200,6 +204,8 @@ class BlockIndex:
             slots.append(slot)
         self._next_fresh = fresh
         self._deleted += len(evicted)
+        if victims_freed and self.slot_sink is not None:
+            self.slot_sink.freed(victims_freed)
         if sys.getsizeof(slot_of) > self._slot_of_bytes:
             self._regrown()
         self.policy.insert(slots, new_keys)
@@ -236,6 +242,8 @@ class BlockIndex:
             for slot in pending.values():
                 self._ready[slot] = 1
             self._events.append(OffloadingEvent(list(pending), self.block_tokens, "CPU"))
+            if self.slot_sink is not None:
+                self.slot_sink.ready(list(pending.values()), list(pending))
         else:
             self.policy.remove(pending.values())
             for key, slot in pending.items():
@@ -287,6 +295,43 @@ class BlockIndex:
         self.policy.clear()
         if self.sink is not None:
             self.sink.reset()
+        if self.slot_sink is not None:
+            self.slot_sink.reset()
+
+    def adopt(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        """Fills an empty index with ready blocks already in their slots (a warm
+        restart, SPEC 13), oldest first: `keys[i]` in `slots[i]`. Every other slot
+        is free; one stored event announces them. The slot sink is not told (the
+        blocks came from it)."""
+        if self._slot_of or self._next_fresh:
+            raise BadRequest("adopt needs an empty index")
+        if len(slots) != len(keys):
+            raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
+        if len(set(slots)) != len(slots) or len(set(keys)) != len(keys):
+            raise BadRequest("adopt: a slot or a key appears twice")
+        n = self.num_blocks
+        if any(not 0 <= s < n for s in slots):
+            raise BadRequest(f"adopt: a slot outside 0..{n - 1}")
+        if any(not isinstance(k, bytes) or not 1 <= len(k) <= 64 for k in keys):
+            raise BadRequest("adopt: keys must be 1 to 64 bytes")
+        self._slot_of = dict(zip(keys, slots, strict=True))
+        self._slot_of_bytes = sys.getsizeof(self._slot_of)
+        key_at, ready = self._key_at, self._ready
+        for slot, key in zip(slots, keys, strict=True):
+            key_at[slot] = key
+            ready[slot] = 1
+        taken = bytearray(n)
+        for slot in slots:
+            taken[slot] = 1
+        # Free slots go lowest first, as fresh ones would.
+        self._free = array("i", [s for s in range(n - 1, -1, -1) if not taken[s]])
+        self._next_fresh = n
+        self.policy.insert(list(slots), list(keys))
+        if keys:
+            if self.sink is not None:
+                self.sink.storing(list(keys))
+                self.sink.ready(list(keys))
+            self._events.append(OffloadingEvent(list(keys), self.block_tokens, "CPU"))
 
     # -- read-only views ----------------------------------------------------
 

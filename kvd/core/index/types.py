@@ -9,7 +9,14 @@ from typing import Protocol
 
 from kvd_client.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
 
-__all__ = ["Key", "LoadStoreSpec", "OffloadingEvent", "PrepareStoreOutput", "ReadySink"]
+__all__ = [
+    "Key",
+    "LoadStoreSpec",
+    "OffloadingEvent",
+    "PrepareStoreOutput",
+    "ReadySink",
+    "SlotSink",
+]
 
 
 class ReadySink(Protocol):
@@ -19,4 +26,14 @@ class ReadySink(Protocol):
     def storing(self, keys: Sequence[Key]) -> None: ...
     def ready(self, keys: Sequence[Key]) -> None: ...
     def gone(self, keys: Sequence[Key]) -> None: ...
+    def reset(self) -> None: ...
+
+
+class SlotSink(Protocol):
+    """Told which slots hold ready blocks, as it changes (the pool segment's slot
+    table, SPEC section 13): `ready` when a store completes, `freed` before a
+    ready block's slot is handed out again, `reset` when the index is emptied."""
+
+    def ready(self, slots: Sequence[int], keys: Sequence[Key]) -> None: ...
+    def freed(self, slots: Sequence[int]) -> None: ...
     def reset(self) -> None: ...

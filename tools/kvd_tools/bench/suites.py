@@ -304,6 +304,16 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which parts to run (default: ttft,scheduler,multiturn)")  # fmt: skip
 
 
+def _restart_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes",
+        type=positive_ints,
+        default=[100_000, 1_000_000],
+        metavar="N,...",
+        help="pool sizes in blocks of 256 bytes (default: 100000,1000000)",
+    )
+
+
 def _lookup_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keys",
@@ -375,6 +385,11 @@ SUITES: dict[str, Suite] = {
         "kvd_tools.bench.lookup",
         "Scheduler.lookup from the ready table vs the round trip vs BlockIndex in process",
         _lookup_arguments,
+    ),
+    "restart": Suite(
+        "kvd_tools.bench.restart",
+        "the cache across a daemon SIGKILL: blocks back and verified, seconds to the first hit",
+        _restart_arguments,
     ),
     "vllm": Suite(
         "kvd_tools.bench.vllm_bench",

@@ -1,0 +1,374 @@
+"""Runs in the test process: the cache survives the daemon (SPEC section 13).
+
+A real daemon, real engine processes (`torn_read_engine`, which stores, evicts
+and loads blocks whose bytes are a function of their key) and real shared
+memory. The daemon is SIGKILLed at random points of the workload, with the
+engines, and started again on the same runtime dir; what it adopts is checked
+against the segment's slot table as the dead daemon left it, and every
+adopted block's bytes are loaded and checked against its key.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import posix_ipc
+import pytest
+import torch
+import zmq
+
+from kvd_client import Layout, Scheduler, Worker
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
+from kvd_client.segment import FORMAT_VERSION, read_segment_header
+from kvd_tools.harness import block_content, contiguous_cache
+from kvd_tools.launcher import DaemonProcess
+
+ENGINE = Path(__file__).with_name("torn_read_engine.py")
+TORN_LAYOUT = Layout("torn-model", "int64", 16, 1, False, 16 << 10)  # torn_read_engine's
+ELEMS = (16 << 10) // 8
+LAYOUT = Layout("m", "int64", 16, 1, False, 16 << 10)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def pool_segment(d: DaemonProcess, pool: str) -> str:
+    names = [n for n in d.segments() if n.startswith(f"/kvd.{pool}.") and not n.endswith(".ready")]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def ready_in_segment(shm: str) -> dict[bytes, int]:
+    """The READY entries of a segment's slot table, read without writing: key -> slot."""
+    from kvd.io.region import SlotTable
+
+    seg = posix_ipc.SharedMemory(shm)
+    try:
+        h = read_segment_header(seg.fd)
+        copy = os.memfd_create("kvd-test-copy")
+        try:
+            os.ftruncate(copy, h.data_offset)
+            os.pwrite(copy, os.pread(seg.fd, h.data_offset, 0), 0)
+            table = SlotTable(copy, h, fresh=False)
+            slots, keys, _ = table.ready_entries()
+            table.close()
+        finally:
+            os.close(copy)
+    finally:
+        seg.close_fd()
+    return dict(zip(keys, slots, strict=True))
+
+
+def admin(d: DaemonProcess) -> Connection:
+    conn = Connection(d.endpoint, role="admin", keeper=False)
+    conn.connect()
+    return conn
+
+
+def pool_info(d: DaemonProcess, pool: str) -> p.PoolInfo | None:
+    conn = admin(d)
+    try:
+        reply = conn.call(p.Pools)
+        assert isinstance(reply, p.PoolsResult)
+        return next((i for i in reply.pools if i.name == pool), None)
+    finally:
+        conn.close()
+
+
+def invariants(d: DaemonProcess) -> list[str]:
+    conn = admin(d)
+    try:
+        reply = conn.call(p.CheckInvariants, d.admin_token)
+        assert isinstance(reply, p.InvariantsResult)
+        return list(reply.problems)
+    finally:
+        conn.close()
+
+
+def verify_loads(d: DaemonProcess, keys: list[bytes], pool: str, layout: Layout) -> int:
+    """Loads every key through a real worker and checks its bytes; returns blocks verified."""
+    n = max(1, len(keys))
+    cache = contiguous_cache(n, layout.slot_bytes, "int64")
+    with (
+        Scheduler(pool, layout, engine_id="verifier", endpoint=d.endpoint) as s,
+        Worker(0, 1, cache, pool=pool, layout=layout, engine_id="verifier", endpoint=d.endpoint) as w,
+    ):  # fmt: skip
+        for k in keys:
+            assert s.lookup([k]) == 1, f"block {k.hex()} is not ready after the restart"
+        verified = 0
+        for first in range(0, len(keys), 16):
+            batch = keys[first : first + 16]
+            cache.zero_()
+            job = s.load(batch, list(range(len(batch))))
+            assert w.wait([job])[job]
+            for i, k in enumerate(batch):
+                assert torch.equal(cache[i], block_content(int.from_bytes(k, "big"), ELEMS)), (
+                    f"block {k.hex()} came back with other bytes"
+                )
+                verified += 1
+        s.finished()
+    return verified
+
+
+def engine(d: DaemonProcess, name: str, seed: int) -> subprocess.Popen[str]:
+    args = [sys.executable, str(ENGINE), d.endpoint, name, "60", str(seed)]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+
+
+def test_sigkill_at_random_points_brings_back_exactly_the_ready_blocks(spawn: list) -> None:
+    rng = random.Random(16)
+    d = DaemonProcess(lease_ms="3000").start()
+    try:
+        generations = set()
+        verified = 0
+        for kill_point in range(6):
+            engines = [engine(d, f"engine-{kill_point}-{i}", kill_point * 10 + i) for i in range(2)]
+            spawn.extend(engines)
+            # Into the workload: once the engines store, at a random moment.
+            deadline = time.monotonic() + 60
+            want = min(8 * (kill_point + 1), 40)  # more each round: the pool lives on
+            while (info := pool_info(d, "torn")) is None or info.blocks_ready < want:
+                assert time.monotonic() < deadline, "the engines never stored"
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.0, 1.5))
+            d.kill(signal.SIGKILL)
+            for e in engines:
+                e.kill()
+            for e in engines:
+                e.wait(timeout=20)
+            shm = pool_segment(d, "torn")
+            before = ready_in_segment(shm)
+            d.start()
+            info = pool_info(d, "torn")
+            assert info is not None and info.shm_name == shm, "the pool was not adopted"
+            generations.add(info.generation)
+            assert info.blocks_ready == len(before) and info.blocks_in_flight == 0
+            assert invariants(d) == []
+            verified += verify_loads(d, list(before), "torn", TORN_LAYOUT)
+            assert ready_in_segment(shm) == before  # verifying changed nothing
+        assert len(generations) == 1  # one segment, adopted five times
+        assert verified >= 60, f"only {verified} blocks verified over the kill points"
+        assert "event=pool_adopted pool=torn" in d.log()
+    finally:
+        d.stop()
+
+
+def test_clients_ride_through_and_in_flight_stores_do_not_come_back() -> None:
+    d = DaemonProcess(lease_ms="3000").start()
+    cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
+    try:
+        with (
+            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
+                      capacity_bytes=32 * (16 << 10)) as s,
+            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
+        ):  # fmt: skip
+            for i in range(4):
+                cache[i] = block_content(i, ELEMS)
+            ticket = s.store([key(i) for i in range(4)], list(range(4)))
+            assert ticket is not None and ticket.job_id is not None
+            assert w.wait([ticket.job_id])[ticket.job_id]
+            deadline = time.monotonic() + 10
+            while s.lookup([key(i) for i in range(4)]) != 4:
+                assert time.monotonic() < deadline
+                s.finished()
+                time.sleep(0.01)
+            in_flight = [key(i) for i in range(4, 8)]
+            assert s.prepare_store(in_flight) is not None  # never completed
+            mapping, generation, epoch = w._mapping, s.attached.generation, s.epoch
+            d.kill(signal.SIGKILL)
+            d.start()
+            deadline = time.monotonic() + 30
+            while not (s.connected and s.epoch > epoch and w.connected):
+                assert time.monotonic() < deadline, "the clients never reconnected"
+                time.sleep(0.05)
+            assert s.attached.generation == generation  # the same pool, re-attached
+            w.poll()
+            assert w._mapping is mapping  # and the worker kept its mapping
+            assert s.lookup([key(i) for i in range(8)]) == 4  # in flight: absent
+            assert s.lookup(in_flight) == 0
+            cache.zero_()
+            job = s.load([key(i) for i in range(4)], list(range(4)))
+            assert w.wait([job])[job]
+            for i in range(4):
+                assert torch.equal(cache[i], block_content(i, ELEMS))
+    finally:
+        d.stop()
+
+
+def store_two(d: DaemonProcess, pool: str = "p") -> str:
+    cache = contiguous_cache(2, LAYOUT.slot_bytes, "int64")
+    for i in range(2):
+        cache[i] = block_content(i, ELEMS)
+    with (
+        Scheduler(pool, LAYOUT, engine_id="e", endpoint=d.endpoint,
+                  capacity_bytes=16 * (16 << 10)) as s,
+        Worker(0, 1, cache, pool=pool, layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
+    ):  # fmt: skip
+        ticket = s.store([key(0), key(1)], [0, 1])
+        assert ticket is not None and ticket.job_id is not None
+        assert w.wait([ticket.job_id])[ticket.job_id]
+        deadline = time.monotonic() + 10
+        while s.lookup([key(0), key(1)]) != 2:
+            assert time.monotonic() < deadline
+            s.finished()
+            time.sleep(0.01)
+    return pool_segment(d, pool)
+
+
+def test_sigterm_keeps_the_cache_and_pool_drop_frees_it() -> None:
+    d = DaemonProcess().start()
+    try:
+        shm = store_two(d)
+        assert d.kill(signal.SIGTERM) == 0
+        assert os.path.exists("/dev/shm" + shm)  # kept for the next run
+        d.start()
+        assert verify_loads(d, [key(0), key(1)], "p", LAYOUT) == 2
+        conn = admin(d)
+        try:
+            assert isinstance(conn.call(p.DropPool, "p", d.admin_token), p.Ok)
+        finally:
+            conn.close()
+        assert not os.path.exists("/dev/shm" + shm)
+        assert d.kill(signal.SIGTERM) == 0
+        d.start()
+        assert pool_info(d, "p") is None
+    finally:
+        d.stop()
+
+
+def test_restart_cold_unlinks_at_shutdown_and_at_start() -> None:
+    d = DaemonProcess(restart="cold").start()
+    try:
+        shm = store_two(d)
+        assert d.kill(signal.SIGTERM) == 0
+        assert not os.path.exists("/dev/shm" + shm)
+        d.start()
+        shm = store_two(d)
+        d.kill(signal.SIGKILL)
+        assert os.path.exists("/dev/shm" + shm)
+        d.start()
+        assert not os.path.exists("/dev/shm" + shm) and pool_info(d, "p") is None
+    finally:
+        d.stop()
+
+
+def _rewrite_header(fd: int, change: object) -> None:
+    """Changes a header field and recomputes the checksum, as another format would."""
+    import zlib
+
+    from kvd_client.segment import CRC_OFFSET, MAX_HEADER_BYTES
+
+    raw = bytearray(os.pread(fd, MAX_HEADER_BYTES, 0))
+    change(raw)  # type: ignore[operator]
+    h = read_segment_header(fd)
+    end = h.table_offset
+    body = bytearray(raw[:end])
+    struct.pack_into("<I", body, CRC_OFFSET, 0)
+    name_len, layout_len = struct.unpack_from("<HH", body, 84)
+    crc = zlib.crc32(bytes(body[: 136 + name_len + layout_len]))
+    struct.pack_into("<I", raw, CRC_OFFSET, crc)
+    os.pwrite(fd, bytes(raw[:end]), 0)
+
+
+DAMAGES = {
+    "magic": (lambda fd: os.pwrite(fd, b"NOTAPOOL", 0), "bad magic"),
+    "checksum": (lambda fd: os.pwrite(fd, b"\xff", 30), "checksum mismatch"),
+    "truncated": (lambda fd: os.ftruncate(fd, os.fstat(fd).st_size - 4096), "the header says"),
+    "version": (
+        lambda fd: _rewrite_header(
+            fd, lambda raw: struct.pack_into("<I", raw, 8, FORMAT_VERSION + 1)
+        ),
+        "format version",
+    ),
+    "mode": (lambda fd: os.fchmod(fd, 0o644), "mode 644"),
+    "owner": (lambda fd: os.fchown(fd, 4242, -1), "owned by uid 4242"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_segment_that_fails_a_check_is_unlinked_with_one_line_and_the_pool_starts_cold(
+    damage: str,
+) -> None:
+    if damage == "owner" and os.geteuid() != 0:
+        pytest.skip("changing a segment's owner takes root")
+    d = DaemonProcess().start()
+    try:
+        shm = store_two(d)
+        d.kill(signal.SIGKILL)
+        do, reason = DAMAGES[damage]
+        seg = posix_ipc.SharedMemory(shm)
+        try:
+            do(seg.fd)  # type: ignore[operator]
+        finally:
+            seg.close_fd()
+        d.start()
+        lines = [line for line in d.log().splitlines() if "event=pool_not_adopted" in line]
+        assert len(lines) == 1 and "pool=p" in lines[0] and reason in lines[0], lines
+        assert not os.path.exists("/dev/shm" + shm)
+        assert pool_info(d, "p") is None
+        with Scheduler("p", LAYOUT, engine_id="e2", endpoint=d.endpoint,
+                       capacity_bytes=16 * (16 << 10)) as s:  # fmt: skip
+            assert s.lookup([key(0)]) == 0 and s.attached.shm_name != shm
+    finally:
+        d.stop()
+
+
+def test_a_bad_restart_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvd", "serve", "--runtime-dir", str(tmp_path), "--restart", "tepid"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "restart" in lines[0], out.stderr
+
+
+def test_an_adopted_pool_announces_its_blocks_not_a_clear() -> None:
+    d = DaemonProcess().start()
+    try:
+        store_two(d)
+        d.kill(signal.SIGKILL)
+        d.start()
+        ctx = zmq.Context()
+        try:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, 5000)
+            s.connect(f"ipc://{d.runtime_dir}/replay.sock")
+            s.send((0).to_bytes(8, "big"))
+            payloads = []
+            while True:
+                msg = s.recv_multipart()
+                if msg[-2] == (-1).to_bytes(8, "big", signed=True):
+                    break
+                payloads.append(msg[-1])
+        finally:
+            ctx.destroy(linger=0)
+        kinds = []
+        for payload in payloads:
+            _ts, events, *_ = msgspec.msgpack.decode(payload)
+            kinds += [e["type"] if isinstance(e, dict) else e[0] for e in events]
+        assert "BlockStored" in kinds and "AllBlocksCleared" not in kinds, kinds
+    finally:
+        d.stop()
+
+
+def test_segments_keep_their_mode() -> None:
+    d = DaemonProcess().start()
+    try:
+        shm = store_two(d)
+        assert stat.S_IMODE(os.stat("/dev/shm" + shm).st_mode) == 0o600
+    finally:
+        d.stop()

@@ -1,0 +1,198 @@
+"""The pool segment's header and slot table (SPEC section 13), and the index's adoption.
+
+The table is written on a memfd, as the daemon writes a segment; a "crash"
+is a copy of the bytes taken between two writes, which is what a daemon
+killed at that instant leaves behind.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.index import BlockIndex
+from kvd.errors import KvdError
+from kvd.io.region import SlotTable
+from kvd_client.segment import (
+    CRC_OFFSET,
+    ENTRY_BYTES,
+    FORMAT_VERSION,
+    PAGE,
+    READY,
+    BadSegment,
+    SegmentHeader,
+    read_header,
+    read_segment_header,
+)
+
+
+def header(num_blocks: int = 8, **over: object) -> SegmentHeader:
+    fields: dict[str, object] = dict(
+        generation=42, num_blocks=num_blocks, row_bytes=512, slot_bytes=300, num_slots=2,
+        slot_stride=256, replicated=False, name="pool-a", layout=b"\x93layout", policy="lru",
+    )  # fmt: skip
+    fields.update(over)
+    return SegmentHeader(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fd() -> Iterator[int]:
+    fd = os.memfd_create("kvd-test-segment")
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def table_on(fd: int, h: SegmentHeader, fresh: bool = True) -> SlotTable:
+    os.ftruncate(fd, h.size_bytes)
+    return SlotTable(fd, h, fresh=fresh)
+
+
+def crashed(fd: int, h: SegmentHeader) -> SlotTable:
+    """What a new daemon finds: a copy of the segment's bytes as they are now."""
+    copy = os.memfd_create("kvd-test-crash")
+    os.ftruncate(copy, h.size_bytes)
+    os.pwrite(copy, os.pread(fd, h.data_offset, 0), 0)
+    return SlotTable(copy, read_segment_header(copy), fresh=False)
+
+
+def test_the_header_round_trips_and_the_rows_start_on_a_page(fd: int) -> None:
+    h = header(1000)
+    table_on(fd, h).close()
+    back = read_segment_header(fd)
+    assert back == h
+    assert h.data_offset % PAGE == 0 and h.data_offset >= h.table_offset + 1000 * ENTRY_BYTES
+    assert h.size_bytes == h.data_offset + 1000 * 512 == os.fstat(fd).st_size
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda raw: raw.__setitem__(slice(0, 1), b"X"), "bad magic"),
+        (lambda raw: raw.__setitem__(slice(30, 31), b"\xff"), "checksum"),
+        (lambda raw: raw.__setitem__(slice(CRC_OFFSET, CRC_OFFSET + 1), b"\x00"), "checksum"),
+        (
+            lambda raw: struct.pack_into("<I", raw, 8, FORMAT_VERSION + 1),
+            "format version",
+        ),
+    ],
+    ids=["magic", "field", "crc", "version"],
+)
+def test_a_damaged_header_is_refused_with_its_reason(damage: object, reason: str) -> None:
+    h = header()
+    raw = bytearray(h.pack())
+    damage(raw)  # type: ignore[operator]
+    with pytest.raises(BadSegment, match=reason):
+        read_header(bytes(raw), h.size_bytes)
+
+
+def test_a_truncated_or_grown_segment_is_refused() -> None:
+    h = header()
+    raw = h.pack()
+    with pytest.raises(BadSegment, match="the header says"):
+        read_header(raw, h.size_bytes - 512)
+    with pytest.raises(BadSegment, match="the header says"):
+        read_header(raw, h.size_bytes + PAGE)
+    with pytest.raises(BadSegment, match=r"truncated|shorter"):
+        read_header(raw[:100], 100)
+
+
+def test_ready_entries_come_back_oldest_first_and_freed_ones_do_not(fd: int) -> None:
+    h = header()
+    t = table_on(fd, h)
+    t.ready([3, 1], [b"c", b"a"])
+    t.ready([5], [b"e"])
+    t.freed([1])
+    t.ready([1], [b"z"])  # slot 1 reused for another key
+    slots, keys, refused = crashed(fd, h).ready_entries()
+    assert (slots, keys, refused) == ([3, 5, 1], [b"c", b"e", b"z"], 0)
+    t.reset()
+    assert crashed(fd, h).ready_entries() == ([], [], 0)
+
+
+def test_a_crash_between_any_two_writes_leaves_only_whole_ready_entries(fd: int) -> None:
+    """Between "slot cleared" and "slot written", and within the write of an entry."""
+    h = header()
+    t = table_on(fd, h)
+    t.ready([2], [b"old"])
+    t.freed([2])  # evicted: the slot is handed out again
+    assert crashed(fd, h).ready_entries()[1] == []  # cleared, not yet written
+    # Written whole but its state byte not yet set: not ready.
+    at = h.table_offset + 2 * ENTRY_BYTES
+    t.ready([2], [b"new"])
+    t._mm[at] = 0
+    assert crashed(fd, h).ready_entries()[1] == []
+    t._mm[at] = READY
+    assert crashed(fd, h).ready_entries()[1] == [b"new"]
+    # A ready state over an entry that does not check out (a torn entry) is refused.
+    t._mm[at + 17] ^= 0xFF  # a byte of the key
+    after = crashed(fd, h)
+    assert after.ready_entries() == ([], [], 1)
+    assert after.ready_entries() == ([], [], 0)  # and freed
+
+
+def test_a_key_ready_twice_keeps_its_newest_slot(fd: int) -> None:
+    h = header()
+    t = table_on(fd, h)
+    t.ready([0], [b"k"])
+    t.ready([4], [b"k"])  # cannot happen in one run; a table must still not serve both
+    slots, keys, refused = crashed(fd, h).ready_entries()
+    assert (slots, keys, refused) == ([4], [b"k"], 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["store", "fail", "reset"]),
+                              st.lists(st.integers(0, 30), min_size=1, max_size=6)),
+                    max_size=40))  # fmt: skip
+def test_the_table_holds_what_the_index_holds_ready(ops: list[tuple[str, list[int]]]) -> None:
+    h = header(8)
+    fd = os.memfd_create("kvd-test-prop")
+    try:
+        t = table_on(fd, h)
+        index = BlockIndex(8, "lru")
+        index.slot_sink = t
+        for op, ids in ops:
+            keys = [i.to_bytes(2, "big") for i in ids]
+            if op == "reset":
+                index.reset()
+                continue
+            out = index.prepare_store(keys)
+            if out is not None and out.keys_to_store:
+                index.complete_store(out.keys_to_store, success=op == "store")
+        slots, keys, _ = crashed(fd, h).ready_entries()
+        assert {k: index.slot_of(k) for k in keys} == dict(zip(keys, slots, strict=True))
+        assert set(keys) == {k for k in map(index.key_at, range(8)) if k and index.is_ready(k)}
+        # A new index adopts them and answers the same.
+        again = BlockIndex(8, "lru")
+        again.adopt(slots, keys)
+        assert again.check_invariants() == []
+        for k in keys:
+            assert again.lookup([k]) == 1 and again.slot_of(k) == index.slot_of(k)
+        assert again.num_free == 8 - len(keys)
+    finally:
+        os.close(fd)
+
+
+def test_adopt_refuses_bad_input_and_changes_nothing() -> None:
+    index = BlockIndex(4, "adaptive")
+    for slots, keys in (([0, 0], [b"a", b"b"]), ([0, 1], [b"a", b"a"]), ([9], [b"a"]),
+                        ([0], [b""]), ([0, 1], [b"a"])):  # fmt: skip
+        with pytest.raises(KvdError):
+            index.adopt(slots, keys)
+        assert len(index) == 0 and index.num_free == 4
+    index.adopt([2, 0], [b"b", b"a"])
+    assert index.check_invariants() == [] and index.lookup([b"b", b"a"]) == 2
+    ev = index.take_events()
+    assert len(ev) == 1 and ev[0].keys == [b"b", b"a"] and not ev[0].removed
+    # The free slots are handed out, and the adopted blocks are evictable.
+    out = index.prepare_store([b"x", b"y", b"z"])
+    assert out is not None and len(out.evicted_keys) == 1
+    assert sorted(out.store_spec.slots) == sorted([1, 3, 2 if out.evicted_keys == [b"b"] else 0])
+    with pytest.raises(KvdError):
+        index.adopt([1], [b"q"])  # only an empty index adopts

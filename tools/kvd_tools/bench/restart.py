@@ -1,0 +1,168 @@
+"""Runs in the operator's shell: `kvd bench restart`, the cache across a daemon SIGKILL (SPEC 13).
+
+For each size: one private daemon, one pool of that many 256-byte blocks.
+Every block is stored (`prepare_store`, its bytes written into its slot
+through this process's own mapping of the rows, then `complete_store`), the
+daemon is SIGKILLed and started again on the same runtime dir. Reported:
+blocks ready before and after, blocks verified (ready after the restart,
+found by a lookup, and holding the bytes written for their key), seconds
+from the new daemon's start (its process spawned) to the first lookup hit,
+and the adoption's own seconds from the daemon's log.
+
+The slot table's cost on the store path: `prepare_store` + `complete_store`
+of batches of 64 new keys on a full `BlockIndex` (every batch evicts), with
+and without the segment's slot table as its slot sink, in this process, in
+microseconds per key (`store_us_per_key_without` / `_with`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import time
+from typing import Any
+
+from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
+
+SLOT_BYTES = 256
+LAYOUT_ARGS = ("bench-restart", "int8", 16, 1, False, SLOT_BYTES)
+BATCH = 4096
+
+
+def _key(i: int) -> bytes:
+    return bytes([i % 251]) * 28 + i.to_bytes(8, "big")  # 36 bytes, as vLLM's
+
+
+def _content(key: bytes) -> bytes:
+    return (key * (SLOT_BYTES // len(key) + 1))[:SLOT_BYTES]
+
+
+def _store_cost(num_blocks: int, with_table: bool) -> float:
+    """Microseconds per key of prepare_store + complete_store on a full index."""
+    from kvd.core.index import BlockIndex
+    from kvd.io.region import SlotTable
+    from kvd_client.segment import SegmentHeader
+
+    index = BlockIndex(num_blocks, "lru")
+    fd = -1
+    if with_table:
+        size = SLOT_BYTES
+        h = SegmentHeader(1, num_blocks, size, size, 1, size, False, "b", b"", "lru")
+        fd = os.memfd_create("kvd-bench-slots")
+        os.ftruncate(fd, h.data_offset)
+        index.slot_sink = SlotTable(fd, h, fresh=True)
+    try:
+        n = 0
+        spent = 0.0
+        steps = 0
+        while n < 3 * num_blocks:
+            keys = [_key(i) for i in range(n, n + 64)]
+            n += 64
+            t0 = time.perf_counter()
+            out = index.prepare_store(keys)
+            assert out is not None
+            index.complete_store(out.keys_to_store)
+            index.take_events()
+            if n > num_blocks:  # full: every batch evicts
+                spent += time.perf_counter() - t0
+                steps += 1
+        return spent * 1e6 / (steps * 64)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvd_client import Layout, Scheduler
+    from kvd_client import protocol as p
+    from kvd_client.connection import Connection
+    from kvd_client.worker import Mapping
+    from kvd_tools.bench.suites import SuiteError
+
+    rows = []
+    for num_blocks in args.sizes:
+        layout = Layout(*LAYOUT_ARGS)
+        flags = {**PRIVATE_FLAGS, "log-level": "info",
+                 "max-total-bytes": f"{num_blocks * (SLOT_BYTES + 400) + (64 << 20)}"}  # fmt: skip
+        daemon = DaemonProcess(base=flags)
+        daemon.start()
+        try:
+            keys = [_key(i) for i in range(num_blocks)]
+            capacity = num_blocks * SLOT_BYTES
+            with Scheduler("bench-restart", layout, engine_id="bench", endpoint=daemon.endpoint,
+                           capacity_bytes=capacity, timeout_ms=60_000) as s:  # fmt: skip
+                assert s.attached is not None
+                rows_map = Mapping(s.attached, replicated=False)
+                mm, row = rows_map.mm, s.attached.row_bytes
+                for first in range(0, num_blocks, BATCH):
+                    batch = keys[first : first + BATCH]
+                    out = s.prepare_store(batch)
+                    if out is None or len(out.keys_to_store) != len(batch):
+                        raise SuiteError("the pool did not take every block")
+                    for k, slot in zip(out.keys_to_store, out.store_spec.slots, strict=True):
+                        mm[slot * row : slot * row + SLOT_BYTES] = _content(k)
+                    s.complete_store(batch)
+            conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=60_000)
+            conn.connect()
+            reply = conn.call(p.Pools)
+            conn.close()
+            assert isinstance(reply, p.PoolsResult)
+            before = reply.pools[0].blocks_ready
+            daemon.kill(signal.SIGKILL)
+            t0 = time.monotonic()
+            daemon.start(wait=False)
+            daemon.wait_ready(timeout=120)
+            with Scheduler("bench-restart", layout, engine_id="bench2", endpoint=daemon.endpoint,
+                           timeout_ms=60_000) as s:  # fmt: skip
+                while s.lookup(keys[:1]) != 1:
+                    if time.monotonic() - t0 > 120:
+                        raise SuiteError("no hit within 120 s of the restart")
+                    time.sleep(0.001)
+                first_hit = time.monotonic() - t0
+                assert s.attached is not None and s.attached.shm_name == rows_map.attached.shm_name
+                verified = 0
+                for first in range(0, num_blocks, 256):
+                    batch = keys[first : first + 256]
+                    hits = s.lookup(batch) or 0
+                    slots = s.prepare_load(batch[:hits]).slots if hits else []
+                    for k, slot in zip(batch[:hits], slots, strict=True):
+                        if mm[slot * row : slot * row + SLOT_BYTES] == _content(k):
+                            verified += 1
+                    if hits:
+                        s.complete_load(batch[:hits])
+                conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=60_000)
+                conn.connect()
+                reply = conn.call(p.Pools)
+                conn.close()
+                assert isinstance(reply, p.PoolsResult)
+                after = reply.pools[0].blocks_ready
+            rows_map.close()
+            found = re.findall(r"event=pool_adopted .*seconds=([0-9.]+)", daemon.log())
+            rows.append({
+                "num_blocks": num_blocks,
+                "blocks_ready_before": before,
+                "blocks_ready_after": after,
+                "blocks_verified": verified,
+                "seconds_to_first_hit": first_hit,
+                "adopt_seconds": float(found[-1]) if found else float("nan"),
+                "store_us_per_key_without": _store_cost(min(num_blocks, 100_000), False),
+                "store_us_per_key_with": _store_cost(min(num_blocks, 100_000), True),
+            })  # fmt: skip
+        finally:
+            daemon.stop()
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        back = r["blocks_verified"] / max(1, r["blocks_ready_before"])
+        out.append(
+            f"{r['num_blocks']} blocks: {back:.1%} of the ready blocks back and verified "
+            f"(goal 100 %), first hit {r['seconds_to_first_hit']:.2f} s after the start "
+            f"(goal <= 2 s at 1M); slot table on the store path "
+            f"{r['store_us_per_key_with'] / r['store_us_per_key_without']:.2f}x"
+        )
+    return out
