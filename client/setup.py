@@ -1,11 +1,13 @@
 """Runs at install time: builds kvd_client's optional native parts.
 
 The CPU backend's block copier (`kvd_client/_blockcopy.c`; streaming stores,
-see its header) and the ready table's probe loop (`kvd_client/_readytable.c`,
-with zlib's CRC-32). Both optional: without a C compiler (or zlib's headers)
-the package still installs; the CPU backend then copies with torch alone
-(`kvd_client.backends.native`) and lookups read the table in Python
-(`kvd_client.ready_table`). Everything else about the package is in
+see its header), the ready table's probe loop (`kvd_client/_readytable.c`,
+with zlib's CRC-32) and a warm restart's slot-table scan and ready-table
+fill (`kvd_client/_warmstart.c`). All optional: without a C compiler (or
+zlib's headers) the package still installs; the CPU backend then copies with
+torch alone (`kvd_client.backends.native`), lookups read the table in Python
+(`kvd_client.ready_table`) and the daemon adopts a warm pool in Python
+(`kvd.io.region`, `kvd.io.ready_table`). Everything else about the package is in
 pyproject.toml.
 """
 
@@ -23,6 +25,13 @@ setup(
         Extension(
             "kvd_client._readytable",
             sources=["kvd_client/_readytable.c"],
+            optional=True,
+            libraries=["z"],
+            extra_compile_args=["-O3"],
+        ),
+        Extension(
+            "kvd_client._warmstart",
+            sources=["kvd_client/_warmstart.c"],
             optional=True,
             libraries=["z"],
             extra_compile_args=["-O3"],

@@ -317,6 +317,7 @@ class PoolRegistry:
                 shm, header, gid=self._gid, prefault=False, manifest=self._manifest, adopted=True
             )
             slots, keys, bad = region.table.ready_entries()
+            scanned = time.monotonic()
             h = header
             geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
                                 h.slot_stride, h.replicated)  # fmt: skip
@@ -328,8 +329,9 @@ class PoolRegistry:
             adopted.append(pool)
             log.info(
                 "event=pool_adopted pool=%s shm=%s blocks_ready=%d entries_refused=%d "
-                "blocks=%d seconds=%.3f",
+                "blocks=%d seconds=%.3f scan_seconds=%.3f",
                 pool_name, shm, len(keys), bad, geometry.num_blocks, time.monotonic() - start,
+                scanned - start,
             )  # fmt: skip
         return adopted
 

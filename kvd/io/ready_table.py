@@ -22,11 +22,13 @@ map it read-only and cannot change it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import mmap
 import os
 import struct
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import posix_ipc
 
@@ -47,6 +49,12 @@ from kvd_client.ready_table import (
     bucket_of,
     num_buckets_for,
 )
+
+_warmstart: Any
+try:  # a warm restart's fill in C, built with the package where a compiler was there
+    _warmstart = importlib.import_module("kvd_client._warmstart")
+except ImportError:  # pragma: no cover - depends on the install
+    _warmstart = None
 
 _SEQ = struct.Struct("<I")
 _EPOCH = struct.Struct("<Q")
@@ -98,6 +106,16 @@ class ReadyTableWriter:
 
     def gone(self, keys: Sequence[bytes]) -> None:
         self.set_states(keys, EMPTY)
+
+    def adopted(self, keys: Sequence[bytes]) -> None:
+        """`keys` (distinct) READY in this table while it is still empty and no
+        reader has it: a warm restart's blocks, before the daemon listens."""
+        if self._live:
+            raise RuntimeError("adopted() needs an empty ready table")
+        if _warmstart is None:
+            self.set_states(keys, READY)
+            return
+        self._live = _warmstart.fill(self._mm, list(keys), self._mask)
 
     # -- writes -------------------------------------------------------------
 

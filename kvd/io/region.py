@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import grp
+import importlib
 import logging
 import mmap
 import os
@@ -37,6 +38,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import posix_ipc
 
@@ -53,6 +55,12 @@ from kvd_client.segment import (
 )
 
 log = logging.getLogger("kvd.io.region")
+
+_warmstart: Any
+try:  # the slot-table scan in C, built with the package where a compiler was there
+    _warmstart = importlib.import_module("kvd_client._warmstart")
+except ImportError:  # pragma: no cover - depends on the install
+    _warmstart = None
 
 
 class Manifest:
@@ -282,9 +290,19 @@ class SlotTable:
         self._mm[self._base : self._base + n * ENTRY_BYTES : ENTRY_BYTES] = bytes(n)
 
     def ready_entries(self) -> tuple[list[int], list[bytes], int]:
-        """The READY entries whose crc holds, oldest store first, a later duplicate
-        of a key winning: (slots, keys, entries refused). The refused are freed."""
+        """The READY entries whose crc holds, oldest store first (by seq, then
+        slot), a later duplicate of a key winning (on a tie, the lower slot):
+        (slots, keys, entries refused). The refused are freed. In C where the
+        package was built with it (`kvd_client._warmstart.scan`), the same answer."""
         base, n = self._base, self.header.num_blocks
+        if _warmstart is not None:
+            slots, keys, refused, self.seq = _warmstart.scan(self._mm, base, n)
+        else:
+            slots, keys, refused, self.seq = self._scan(base, n)
+        self.freed(refused)
+        return slots, keys, len(refused)
+
+    def _scan(self, base: int, n: int) -> tuple[list[int], list[bytes], list[int], int]:
         states = self._mm[base : base + n * ENTRY_BYTES : ENTRY_BYTES]
         found: dict[bytes, tuple[int, int]] = {}
         refused: list[int] = []
@@ -297,17 +315,16 @@ class SlotTable:
                 refused.append(slot)
             else:
                 held = found.get(key)
-                if held is None or held[0] < seq:
+                if held is None or held[0] < seq:  # scanned by slot: a tie keeps the lower
                     if held is not None:
                         refused.append(held[1])
                     found[key] = (seq, slot)
                 else:
                     refused.append(slot)
             slot = states.find(READY, slot + 1)
-        self.freed(refused)
-        order = sorted(found.items(), key=lambda item: item[1][0])
-        self.seq = order[-1][1][0] if order else 0
-        return [s for _, (_, s) in order], [k for k, _ in order], len(refused)
+        order = sorted(found.items(), key=lambda item: item[1])
+        last = order[-1][1][0] if order else 0
+        return [s for _, (_, s) in order], [k for k, _ in order], refused, last
 
     def close(self) -> None:
         try:

@@ -17,6 +17,7 @@ import os
 import secrets
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from kvd.io.notify import Notifier
 from kvd.io.region import Manifest, group_id
 from kvd.version import __version__
 from kvd_client.protocol import MAX_FRAME_BYTES, Layout
+from kvd_client.types import OffloadingEvent
 
 log = logging.getLogger("kvd.io.server")
 
@@ -48,6 +50,9 @@ def write_admin_token(path: Path) -> str:
 
 # Deferred policy work starts once the daemon has had no request for this long.
 IDLE_S = 0.001
+# Keys of index events encoded per loop turn (a few milliseconds): a warm
+# pool's announcement of its blocks must not hold the requests back.
+PUBLISH_KEYS_PER_TURN = 4096
 
 
 class Server:
@@ -63,6 +68,7 @@ class Server:
         self.metrics = Metrics()
         self._last_request = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._publish_pending = False  # a turn to send the rest of the events is due
         self.exit_code = 0  # 1 once a loop task or callback died
 
     # -- startup ---------------------------------------------------------------
@@ -194,20 +200,47 @@ class Server:
                 loop.call_soon(self._drain)
                 break
 
-    def _publish(self) -> None:
-        """Sends the index events of this loop turn: one batch per pool."""
+    def _publish(self, budget: int | None = PUBLISH_KEYS_PER_TURN) -> None:
+        """Sends the index events of this loop turn, at most `budget` keys of them
+        (None: all): a warm restart's announcement of a million blocks goes out a
+        slice per turn, requests served in between. What is left waits, in order,
+        for the next turn, which comes at once."""
         service, publisher = self.service, self.publisher
         assert service is not None and publisher is not None
         service.collect_events()
-        if service.event_outbox:
-            for pool, events in service.event_outbox:
-                if events is None:
-                    publisher.all_cleared(pool)
-                else:
-                    publisher.add(pool, events)
-            service.event_outbox.clear()
-            publisher.flush(time.time())
-            service.counters["events_replay_dropped"] = publisher.batches_dropped
+        outbox = service.event_outbox
+        if not outbox:
+            return
+        left = budget
+        while outbox and (left is None or left > 0):
+            pool, events = outbox[0]
+            if events is None:
+                publisher.all_cleared(pool)
+                del outbox[0]
+                continue
+            taken: list[OffloadingEvent] = []
+            while events and (left is None or left > 0):
+                event = events[0]
+                if left is not None and len(event.keys) > left:  # a slice of it now
+                    taken.append(replace(event, keys=event.keys[:left]))
+                    events[0] = replace(event, keys=event.keys[left:])
+                    left = 0
+                    break
+                taken.append(events.pop(0))
+                if left is not None:
+                    left -= len(event.keys)
+            publisher.add(pool, taken)
+            if not events:
+                del outbox[0]
+        publisher.flush(time.time())
+        service.counters["events_replay_dropped"] = publisher.batches_dropped
+        if outbox and not self._publish_pending:
+            self._publish_pending = True
+            asyncio.get_running_loop().call_soon(self._publish_more)
+
+    def _publish_more(self) -> None:
+        self._publish_pending = False
+        self._publish()
 
     def _replay(self) -> None:
         assert self.publisher is not None
@@ -322,7 +355,7 @@ class Server:
             if not warm:  # a warm daemon's pools live on, blocks and all
                 self.service.admin.announce_cleared()
             if self.publisher is not None:
-                self._publish()
+                self._publish(budget=None)
             self.pools.close(keep=warm)
         if self.publisher is not None:
             self.publisher.close()

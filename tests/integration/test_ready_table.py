@@ -28,6 +28,8 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.ready_table import (
+    BUCKET_BYTES,
+    HEADER_BYTES,
     READY,
     STALE_NS,
     STORING,
@@ -376,3 +378,29 @@ def test_a_dead_daemons_table_stops_answering_within_its_staleness() -> None:
             assert s.lookup(keys) == 0  # the round trip, to a dead daemon: a miss
     finally:
         d.stop()
+
+
+def test_a_warm_fill_writes_the_table_the_python_writer_would(tmp_path: Path) -> None:
+    """`ReadyTableWriter.adopted` in C (`kvd_client._warmstart.fill`): the same
+    buckets as one `ready` per key in Python, and readers find every key."""
+    warmstart = pytest.importorskip("kvd_client._warmstart")
+    keys = [key(i) for i in range(300)] + [b"x" * 64, b"y"]
+    fast, slow = writer(tmp_path, 400), writer(tmp_path, 400)
+    try:
+        assert warmstart.fill(fast._mm, [], fast._mask) == 0
+        fast.adopted(keys)
+        slow.set_states(keys, READY)
+        for b in range(fast.num_buckets):  # each bucket but its (even) sequence counter
+            at = HEADER_BYTES + b * BUCKET_BYTES
+            assert fast._mm[at + 4 : at + BUCKET_BYTES] == slow._mm[at + 4 : at + BUCKET_BYTES]
+            assert fast._mm[at] % 2 == 0
+        assert fast._live == slow._live == len(keys)
+        table = ReadyTable(bytes(fast._mm))  # a copy: the mapping closes below
+        assert table.lookup(keys) == len(keys)
+        with pytest.raises(RuntimeError, match="empty ready table"):
+            fast.adopted([b"more"])
+        with pytest.raises(ValueError, match="half full"):
+            warmstart.fill(bytearray(HEADER_BYTES + 4 * 72), [b"1", b"2", b"3", b"4"], 3)
+    finally:
+        fast.close()
+        slow.close()

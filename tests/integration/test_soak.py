@@ -3,7 +3,7 @@
 Four scheduler actors, one TP=2 engine, the engine's twin on a second pool
 and a short-timeout scheduler of the engine run random traffic on the
 daemon while actors, the engine, its ranks and the twin are SIGKILLed and
-restarted, the daemon is SIGKILLed and started again once and SIGSTOPped
+restarted, the daemon is SIGKILLed and started again once (adopting its pools warm) and SIGSTOPped
 for 1 to 3 s now and then, a rank reconnects during a store and the twin's
 workers leave while an engine job runs. No load may return other bytes than
 were stored, the index invariants must hold throughout, the daemon's RSS
@@ -38,6 +38,9 @@ def test_soak_with_faults() -> None:
     )
     by_kind, totals = result.faults_by_kind, result.totals
     assert by_kind.get("restart_daemon") == 1
+    # The daemon's SIGKILL and restart kept the cache warm (SPEC 13).
+    assert result.ready_before_restart > 0
+    assert result.adopted_after_restart >= result.ready_before_restart // 2
     assert result.faults >= 1 + int(SECONDS // 10), by_kind
     # Each new kind came, and reached the path it is for.
     assert all(by_kind.get(kind, 0) >= 1 for kind in (*NEW_KINDS, Fault.TIMEOUT_STORE)), by_kind

@@ -335,32 +335,85 @@ def test_a_bad_restart_value_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert len(lines) == 1 and "restart" in lines[0], out.stderr
 
 
+def replayed(d: DaemonProcess) -> list[dict]:
+    """Every event the daemon's replay socket still holds, oldest first, as maps."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(f"ipc://{d.runtime_dir}/replay.sock")
+        s.send((0).to_bytes(8, "big"))
+        payloads = []
+        while True:
+            msg = s.recv_multipart()
+            if msg[-2] == (-1).to_bytes(8, "big", signed=True):
+                break
+            payloads.append(msg[-1])
+    finally:
+        ctx.destroy(linger=0)
+    events: list[dict] = []
+    for payload in payloads:
+        _ts, batch, *_ = msgspec.msgpack.decode(payload)
+        events += batch
+    return events
+
+
 def test_an_adopted_pool_announces_its_blocks_not_a_clear() -> None:
     d = DaemonProcess().start()
     try:
         store_two(d)
         d.kill(signal.SIGKILL)
         d.start()
-        ctx = zmq.Context()
-        try:
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, 5000)
-            s.connect(f"ipc://{d.runtime_dir}/replay.sock")
-            s.send((0).to_bytes(8, "big"))
-            payloads = []
-            while True:
-                msg = s.recv_multipart()
-                if msg[-2] == (-1).to_bytes(8, "big", signed=True):
-                    break
-                payloads.append(msg[-1])
-        finally:
-            ctx.destroy(linger=0)
-        kinds = []
-        for payload in payloads:
-            _ts, events, *_ = msgspec.msgpack.decode(payload)
-            kinds += [e["type"] if isinstance(e, dict) else e[0] for e in events]
+        kinds = [e["type"] for e in replayed(d)]
         assert "BlockStored" in kinds and "AllBlocksCleared" not in kinds, kinds
+    finally:
+        d.stop()
+
+
+def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_served() -> None:
+    """10,000 adopted blocks: announced exactly once each, a slice per loop turn
+    (kvd.io.server.PUBLISH_KEYS_PER_TURN), and an eviction after the restart is
+    announced after the BlockStored of the block it evicts."""
+    from kvd.io.server import PUBLISH_KEYS_PER_TURN
+
+    n, row = 10_000, 256
+    layout = Layout("big", "int8", 16, 1, False, row)
+    keys = [key(i) for i in range(n)]
+    d = DaemonProcess(events_int_hashes="false").start()
+    try:
+        with Scheduler("big", layout, engine_id="e", endpoint=d.endpoint,
+                       capacity_bytes=n * row) as s:  # fmt: skip
+            for first in range(0, n, 1000):
+                out = s.prepare_store(keys[first : first + 1000])
+                assert out is not None and len(out.keys_to_store) == 1000
+                s.complete_store(keys[first : first + 1000])
+        d.kill(signal.SIGKILL)
+        d.start()
+        with Scheduler("big", layout, engine_id="e2", endpoint=d.endpoint) as s:
+            assert s.lookup(keys[:3]) == 3
+            fresh = [key(n + 1)]
+            out = s.prepare_store(fresh)  # full: evicts one adopted block
+            assert out is not None and len(out.evicted_keys) == 1
+            s.complete_store(fresh)
+            evicted = out.evicted_keys[0]
+        deadline = time.monotonic() + 20
+        while True:
+            events = replayed(d)
+            stored = [bytes(h) for e in events if e["type"] == "BlockStored"
+                      for h in e["block_hashes"]]  # fmt: skip
+            if len(stored) >= n + 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert sorted(stored) == sorted([*keys, *fresh])  # each exactly once
+        assert n > PUBLISH_KEYS_PER_TURN  # so the announcement takes several turns
+        slices = [e for e in events if e["type"] == "BlockStored"]
+        assert len(slices) >= -(-n // PUBLISH_KEYS_PER_TURN)
+        assert all(len(e["block_hashes"]) <= PUBLISH_KEYS_PER_TURN for e in slices)
+        removed_at = next(i for i, e in enumerate(events) if e["type"] == "BlockRemoved")
+        stored_at = next(i for i, e in enumerate(events) if e["type"] == "BlockStored"
+                         and evicted in map(bytes, e["block_hashes"]))  # fmt: skip
+        assert stored_at < removed_at
     finally:
         d.stop()
 

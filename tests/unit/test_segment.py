@@ -196,3 +196,49 @@ def test_adopt_refuses_bad_input_and_changes_nothing() -> None:
     assert sorted(out.store_spec.slots) == sorted([1, 3, 2 if out.evicted_keys == [b"b"] else 0])
     with pytest.raises(KvdError):
         index.adopt([1], [b"q"])  # only an empty index adopts
+
+
+# -- the C loops of a warm restart (`kvd_client._warmstart`) against the Python ------
+
+warmstart = pytest.importorskip("kvd_client._warmstart")
+
+entries = st.lists(
+    st.tuples(
+        st.integers(0, 15),  # slot
+        st.sampled_from([b"a", b"b", b"c", b"k" * 64, b"d" * 7]),  # key
+        st.integers(1, 6),  # seq (ties happen)
+        st.sampled_from(["ok", "bad_crc", "bad_len", "not_ready"]),
+    ),
+    max_size=24,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(written=entries)
+def test_the_c_scan_answers_as_the_python_one(written: list[tuple[int, bytes, int, str]]) -> None:
+    """Duplicates, ties of seq, torn crcs, bad key lengths: the same answer."""
+    h = header(num_blocks=16)
+    fd = os.memfd_create("kvd-test-scan")
+    try:
+        t = table_on(fd, h)
+        for slot, key, seq, damage in written:
+            at = h.table_offset + slot * ENTRY_BYTES
+            t.seq = seq - 1
+            t.ready([slot], [key])
+            if damage == "bad_crc":
+                t._mm[at + 4] ^= 0x01
+            elif damage == "bad_len":
+                t._mm[at + 1] = 65
+            elif damage == "not_ready":
+                t._mm[at] = 0
+        slots, keys, refused, last = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
+        py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
+        assert (slots, keys, last) == (py_slots, py_keys, py_last)
+        assert sorted(refused) == sorted(py_refused)
+    finally:
+        os.close(fd)
+
+
+def test_the_c_scan_refuses_a_table_outside_its_buffer() -> None:
+    with pytest.raises(ValueError, match="outside the buffer"):
+        warmstart.scan(bytes(ENTRY_BYTES * 4), 0, 5)

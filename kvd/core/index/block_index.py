@@ -39,6 +39,7 @@ from array import array
 from collections import Counter
 from collections.abc import Sequence
 
+from kvd.core.index.checks import adoption_map, index_problems
 from kvd.core.index.policies import make_policy
 from kvd.core.index.types import (
     Key,
@@ -305,32 +306,23 @@ class BlockIndex:
         blocks came from it)."""
         if self._slot_of or self._next_fresh:
             raise BadRequest("adopt needs an empty index")
-        if len(slots) != len(keys):
-            raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
-        if len(set(slots)) != len(slots) or len(set(keys)) != len(keys):
-            raise BadRequest("adopt: a slot or a key appears twice")
-        n = self.num_blocks
-        if any(not 0 <= s < n for s in slots):
-            raise BadRequest(f"adopt: a slot outside 0..{n - 1}")
-        if any(not isinstance(k, bytes) or not 1 <= len(k) <= 64 for k in keys):
-            raise BadRequest("adopt: keys must be 1 to 64 bytes")
-        self._slot_of = dict(zip(keys, slots, strict=True))
+        self._slot_of = adoption_map(self.num_blocks, slots, keys)
         self._slot_of_bytes = sys.getsizeof(self._slot_of)
         key_at, ready = self._key_at, self._ready
         for slot, key in zip(slots, keys, strict=True):
             key_at[slot] = key
             ready[slot] = 1
-        taken = bytearray(n)
-        for slot in slots:
-            taken[slot] = 1
         # Free slots go lowest first, as fresh ones would.
-        self._free = array("i", [s for s in range(n - 1, -1, -1) if not taken[s]])
-        self._next_fresh = n
+        free, at = [], ready.find(0)
+        while at >= 0:
+            free.append(at)
+            at = ready.find(0, at + 1)
+        self._free = array("i", free[::-1])
+        self._next_fresh = self.num_blocks
         self.policy.insert(list(slots), list(keys))
         if keys:
             if self.sink is not None:
-                self.sink.storing(list(keys))
-                self.sink.ready(list(keys))
+                self.sink.adopted(keys)
             self._events.append(OffloadingEvent(list(keys), self.block_tokens, "CPU"))
 
     # -- read-only views ----------------------------------------------------
@@ -389,41 +381,7 @@ class BlockIndex:
 
     def check_invariants(self) -> list[str]:
         """The SPEC section 4 invariants that do not hold (empty when all do). O(n)."""
-        problems: list[str] = []
-        allocated = len(self._slot_of)
-        if self.num_free + allocated != self.num_blocks:
-            problems.append(
-                f"free {self.num_free} + allocated {allocated} != num_blocks {self.num_blocks}"
-            )
-        slots = list(self._slot_of.values())
-        if len(set(slots)) != len(slots):
-            problems.append("a slot is held by two keys")
-        free = set(self._free)
-        if len(free) != len(self._free) or any(s >= self._next_fresh for s in free):
-            problems.append("free list holds a duplicate or never-allocated slot")
-        if free & set(slots):
-            problems.append("a free slot is also allocated")
-        for key, slot in self._slot_of.items():
-            if self._key_at[slot] != key:
-                problems.append(f"slot {slot} does not point back at its key")
-                break
-        if any(r < 0 for r in self._refs):
-            problems.append("negative ref_cnt")
-        not_ready = sum(1 for s in slots if not self._ready[s])
-        if not_ready != self._num_not_ready:
-            problems.append(f"in-flight count {self._num_not_ready} != actual {not_ready}")
-        pinned = sum(1 for s in slots if self._refs[s] > 0)
-        if pinned != self._num_pinned or pinned != sum(1 for r in self._refs if r > 0):
-            problems.append(f"pinned count {self._num_pinned} != actual {pinned}")
-        if sum(1 for key in self._key_at if key is not None) != allocated:
-            problems.append("a free slot still names a key")
-        policy_slots = list(self.policy.slots())
-        if len(policy_slots) != len(self.policy) or sorted(policy_slots) != sorted(slots):
-            problems.append("resident slots of the policy != slots of the index")
-        elif not all(self.policy.get(slot) for slot in slots):
-            problems.append("the policy denies a resident slot")
-        problems.extend(self.policy.check_invariants())
-        return problems
+        return index_problems(self)
 
     # -- slots ----------------------------------------------------------------
 

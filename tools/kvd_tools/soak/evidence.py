@@ -13,6 +13,8 @@ tells whether a fault reached the code it was meant for:
     failed_went_away    a job failed because a rank's session ended
     failed_timed_out    a job failed at its deadline
     failed_other        any other reason (a rank's copy failed, a restart)
+    adopted.<pool>      blocks the restarted daemon adopted warm in that pool
+                        (`pool_adopted`, SPEC 13)
 
 The `failed_*` counts are per pool (`failed_went_away.soak`), so one pool's
 faults show apart from the other's.
@@ -59,6 +61,9 @@ def daemon_evidence(log: Path) -> dict[str, int]:
         event = match.group(1)
         if event in COUNTED:
             counts[event] += 1
+        elif event == "pool_adopted":
+            fields = dict(_FIELD.findall(line))
+            counts[f"adopted.{fields.get('pool', '?')}"] += int(fields.get("blocks_ready", 0))
         elif event == "job_failed":
             fields = dict(_FIELD.findall(line))
             counts[f"{_failure_kind(fields.get('reason', ''))}.{fields.get('pool', '?')}"] += 1

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 
+from kvd_client.errors import KvdError
 from kvd_tools.launcher import DaemonProcess
 from kvd_tools.soak.actors import actor_main
 from kvd_tools.soak.engine import engine_main
-from kvd_tools.soak.probes import is_spawned_child, parent_of
+from kvd_tools.soak.probes import daemon_stats, is_spawned_child, parent_of
 from kvd_tools.soak.tally import Tally
 from kvd_tools.soak.timeout_scheduler import timeout_scheduler_main
 from kvd_tools.soak.twin import twin_main
@@ -55,6 +56,7 @@ class Fleet:
         self.world_size = WORLD_SIZE
         self.wait_s = wait_s
         self.excuse_s = excuse_s
+        self.ready_before_restart: dict[str, int] = {}  # pool -> blocks ready at the SIGKILL
         # Tally slots: actors, the engine, its ranks, the twin, the timeout scheduler.
         self.engine_slot = num_actors
         self.twin_slot = num_actors + 1 + WORLD_SIZE
@@ -143,8 +145,16 @@ class Fleet:
         return self.twin is not None and self.tally.arm_leave()
 
     def restart_daemon(self) -> None:
+        """SIGKILL, then start again on the same runtime dir: a warm restart (SPEC 13).
+
+        The ready blocks of each pool just before the kill go to
+        `ready_before_restart`; the harness compares them with what the new
+        daemon adopted (its log)."""
         self.resume_daemon()
         self._excuse(time.monotonic() + self.excuse_s + 5)
+        with contextlib.suppress(KvdError):  # no answer: nothing to compare with
+            stats = daemon_stats(self.daemon.endpoint)
+            self.ready_before_restart = {pi.name: pi.blocks_ready for pi in stats.pools}
         self.daemon.kill(signal.SIGKILL)
         self.daemon.start()
 

@@ -5,6 +5,8 @@
        │                  the fleet's clients (kvd_tools.soak.fleet)
        ├── FaultInjector: kills, stalls, reconnects, a pool's workers leaving
        ├── every check_every_s: CheckInvariants (not while the daemon is stopped)
+       ├── after the SIGKILL: the restarted daemon adopts the pools warm
+       │   (at least half the blocks ready just before it, else a violation)
        └── at the end: stop every client, wait for leases and jobs to run
            out, then 0 blocks pinned, 0 in flight, 0 jobs, invariants hold;
            count in the daemon's log the failure paths the faults reached
@@ -73,6 +75,8 @@ class SoakResult:
     faults_by_kind: dict[str, int]
     totals: dict[str, int]
     evidence: dict[str, int] = field(default_factory=dict)  # kvd_tools.soak.evidence
+    ready_before_restart: int = 0  # blocks ready in all pools just before the SIGKILL
+    adopted_after_restart: int = 0  # blocks the restarted daemon adopted (its log)
     findings: list[str] = field(default_factory=list)
     run_dir: str = ""
 
@@ -88,6 +92,8 @@ class SoakResult:
             "blocks_verified": self.totals["blocks_verified"],
             "drain_s": round(self.drain_s, 2),
             "hot_path_raises": self.totals["hot_path_raises"],
+            "ready_before_restart": self.ready_before_restart,
+            "adopted_after_restart": self.adopted_after_restart,
         }
 
 
@@ -149,6 +155,7 @@ class Soak:
                 self._violation(f"daemon RSS grew {rss_start:.1f} -> {rss_end:.1f} MiB")
             evidence = daemon_evidence(self.daemon.log_path)
             evidence["went_away_lease_expired"] = self._explain_went_away()
+            self._check_warm(evidence)
             totals = self.tally.totals()
             by_kind = {str(k): n for k, n in injector.counts.items()}
             by_kind |= {str(k): totals[name] for k, name in FIRED_BY_CLIENTS.items()}
@@ -165,6 +172,10 @@ class Soak:
                 faults_by_kind=dict(sorted(by_kind.items())),
                 totals=totals,
                 evidence=evidence,
+                ready_before_restart=sum(self.fleet.ready_before_restart.values()),
+                adopted_after_restart=sum(
+                    n for k, n in evidence.items() if k.startswith("adopted.")
+                ),
                 findings=self.tally.findings(),
                 run_dir=str(self.run_dir) if totals["violations"] else "",
             )
@@ -179,6 +190,21 @@ class Soak:
             return
         for problem in problems:
             self._violation(f"index invariant broken: {problem}")
+
+    def _check_warm(self, evidence: dict[str, int]) -> None:
+        """The cache outlived the daemon's SIGKILL (SPEC 13): each pool that held
+        ready blocks just before it came back with at least half of them (traffic
+        goes on between the count and the kill, so not all: a store in flight
+        then evicted some, and is never adopted)."""
+        for pool, before in self.fleet.ready_before_restart.items():
+            adopted = evidence.get(f"adopted.{pool}", 0)
+            if before > 0 and adopted < before // 2:
+                self._violation(
+                    f"pool {pool}: {before} blocks ready before the daemon's SIGKILL, "
+                    f"{adopted} adopted after its restart: the cache did not stay warm"
+                )
+        if not self.fleet.ready_before_restart:
+            self._violation("the daemon did not answer Stats just before its SIGKILL")
 
     def _explain_went_away(self) -> int:
         """Jobs the engine saw failed for a rank that "went away" though every rank acked:

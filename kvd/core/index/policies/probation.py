@@ -100,7 +100,7 @@ class ProbationCache(CachePolicy):
         return self._lists.list_of(slot) >= 0
 
     def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
-        self.insert_fingerprints(slots, [zlib.crc32(key) for key in keys])
+        self.insert_fingerprints(slots, list(map(zlib.crc32, keys)))
 
     def insert_fingerprints(self, slots: Sequence[int], fps: Sequence[int]) -> None:
         """`insert`, for keys already reduced to their `fingerprint`."""
@@ -108,6 +108,15 @@ class ProbationCache(CachePolicy):
         to_p: list[int] = []
         to_m: list[int] = []
         clock = self._clock
+        if not len(seen):  # it remembers nothing (a new policy; a warm restart): all on P
+            tail_first = list(slots)[::-1]
+            for slot, fp in zip(tail_first, list(fps)[::-1], strict=True):
+                fp_of[slot] = fp
+            for c, slot in enumerate(tail_first, clock + 1):
+                stamp[slot] = c
+            self._clock = clock + len(tail_first)
+            self._lists.append(P, tail_first)
+            return
         for i in range(len(slots) - 1, -1, -1):  # tail first
             slot, fp = slots[i], fps[i]
             fp_of[slot] = fp

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 
 class SlotLists:
@@ -72,18 +73,23 @@ class SlotLists:
 
     def append(self, lst: int, nodes: Iterable[int]) -> None:
         """Links each of `nodes` (on no list) as the most recent node of `lst`, in order."""
+        batch = nodes if isinstance(nodes, list) else list(nodes)
+        if not batch:
+            return
         prev, after, tag = self._prev, self._next, self._tag
         sentinel = self.num_nodes + lst
-        count = 0
-        for node in nodes:
-            tail = prev[sentinel]
-            prev[node] = tail
-            after[node] = sentinel
-            after[tail] = node
-            prev[sentinel] = node
-            tag[node] = lst + 1
-            count += 1
-        self.sizes[lst] += count
+        tail = prev[sentinel]
+        after[tail] = batch[0]
+        prev[batch[0]] = tail
+        for a, b in zip(batch, islice(batch, 1, None), strict=False):  # a chain, a -> b
+            after[a] = b
+            prev[b] = a
+        after[batch[-1]] = sentinel
+        prev[sentinel] = batch[-1]
+        mark = lst + 1
+        for node in batch:
+            tag[node] = mark
+        self.sizes[lst] += len(batch)
 
     def unlink(self, nodes: Iterable[int]) -> None:
         """Takes each of `nodes` off its list."""

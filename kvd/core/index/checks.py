@@ -1,0 +1,74 @@
+"""Runs in the daemon (pure core): the block index's checks, its invariants and an adoption's input.
+
+`BlockIndex.check_invariants` answers with `index_problems` (SPEC section 4),
+and `BlockIndex.adopt` takes its key map from `adoption_map` (SPEC 13), kept
+apart from the index's verbs. `index_problems` reads the index's private
+arrays: it is the index's own check, in a module of its own for its size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvd.core.index.types import Key
+from kvd.errors import BadRequest
+
+if TYPE_CHECKING:
+    from kvd.core.index.block_index import BlockIndex
+
+
+def index_problems(index: BlockIndex) -> list[str]:
+    """The invariants that do not hold (empty when all do). O(n)."""
+    problems: list[str] = []
+    allocated = len(index._slot_of)
+    if index.num_free + allocated != index.num_blocks:
+        problems.append(
+            f"free {index.num_free} + allocated {allocated} != num_blocks {index.num_blocks}"
+        )
+    slots = list(index._slot_of.values())
+    if len(set(slots)) != len(slots):
+        problems.append("a slot is held by two keys")
+    free = set(index._free)
+    if len(free) != len(index._free) or any(s >= index._next_fresh for s in free):
+        problems.append("free list holds a duplicate or never-allocated slot")
+    if free & set(slots):
+        problems.append("a free slot is also allocated")
+    for key, slot in index._slot_of.items():
+        if index._key_at[slot] != key:
+            problems.append(f"slot {slot} does not point back at its key")
+            break
+    if any(r < 0 for r in index._refs):
+        problems.append("negative ref_cnt")
+    not_ready = sum(1 for s in slots if not index._ready[s])
+    if not_ready != index._num_not_ready:
+        problems.append(f"in-flight count {index._num_not_ready} != actual {not_ready}")
+    pinned = sum(1 for s in slots if index._refs[s] > 0)
+    if pinned != index._num_pinned or pinned != sum(1 for r in index._refs if r > 0):
+        problems.append(f"pinned count {index._num_pinned} != actual {pinned}")
+    if sum(1 for key in index._key_at if key is not None) != allocated:
+        problems.append("a free slot still names a key")
+    policy_slots = list(index.policy.slots())
+    if len(policy_slots) != len(index.policy) or sorted(policy_slots) != sorted(slots):
+        problems.append("resident slots of the policy != slots of the index")
+    elif not all(index.policy.get(slot) for slot in slots):
+        problems.append("the policy denies a resident slot")
+    problems.extend(index.policy.check_invariants())
+    return problems
+
+
+def adoption_map(num_blocks: int, slots: Sequence[int], keys: Sequence[Key]) -> dict[Key, int]:
+    """{key: slot} of an adoption, `keys[i]` in `slots[i]`; `BadRequest` unless the
+    slots and the keys are distinct, the slots in range and the keys 1 to 64 bytes.
+    A million blocks take a few C-level passes, no Python loop per key."""
+    if len(slots) != len(keys):
+        raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
+    slot_of = dict(zip(keys, slots, strict=True))
+    if len(set(slots)) != len(slots) or len(slot_of) != len(keys):
+        raise BadRequest("adopt: a slot or a key appears twice")
+    if slots and not (min(slots) >= 0 and max(slots) < num_blocks):
+        raise BadRequest(f"adopt: a slot outside 0..{num_blocks - 1}")
+    if keys and (set(map(type, keys)) != {bytes} or not 1 <= min(map(len, keys)) <= 64
+                 or max(map(len, keys)) > 64):  # fmt: skip
+        raise BadRequest("adopt: keys must be 1 to 64 bytes")
+    return slot_of
