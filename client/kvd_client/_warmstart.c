@@ -48,6 +48,7 @@
 typedef struct {
     uint64_t seq;
     Py_ssize_t slot;
+    unsigned int klen; /* read once: the table may change under a hostile mapper */
 } kept_t;
 
 static int by_seq_then_slot(const void *a, const void *b)
@@ -129,6 +130,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
         if (good) {
             kept[m].seq = read_u64le(e + ENTRY_SEQ);
             kept[m].slot = slot;
+            kept[m].klen = klen;
             m++;
         } else if (append_slot(refused, slot) < 0) {
             goto done;
@@ -156,11 +158,13 @@ static PyObject *scan(PyObject *self, PyObject *args)
             run_start--;
         for (Py_ssize_t j = run_start; j < run_end; j++) { /* lowest slot first */
             const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
-            size_t c = (size_t)key_hash(e + ENTRY_KEY, e[1]) & (cap - 1);
+            unsigned int klen = kept[j].klen;
+            size_t c = (size_t)key_hash(e + ENTRY_KEY, klen) & (cap - 1);
             int dup = 0;
             while (set[c] >= 0) {
-                const unsigned char *o = table + kept[set[c]].slot * ENTRY_BYTES;
-                if (o[1] == e[1] && memcmp(o + ENTRY_KEY, e + ENTRY_KEY, e[1]) == 0) {
+                const kept_t *other = &kept[set[c]];
+                const unsigned char *o = table + other->slot * ENTRY_BYTES;
+                if (other->klen == klen && memcmp(o + ENTRY_KEY, e + ENTRY_KEY, klen) == 0) {
                     dup = 1;
                     break;
                 }
@@ -188,7 +192,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
             continue;
         const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
         PyObject *slot = PyLong_FromSsize_t(kept[j].slot);
-        PyObject *key = PyBytes_FromStringAndSize((const char *)e + ENTRY_KEY, e[1]);
+        PyObject *key = PyBytes_FromStringAndSize((const char *)e + ENTRY_KEY, kept[j].klen);
         if (slot == NULL || key == NULL) {
             Py_XDECREF(slot);
             Py_XDECREF(key);

@@ -18,7 +18,9 @@ import msgspec
 
 from kvd_client.types import JobKind
 
-PROTOCOL_VERSION = 1
+# 2: the rows start at `Attached.data_offset` (SPEC 13); a version-1 client,
+# which maps them from offset 0, would write over the segment's slot table.
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 8 << 20
 MAX_KEYS_PER_REQUEST = 65_536
 MAX_KEY_BYTES = 64

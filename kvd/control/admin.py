@@ -147,6 +147,18 @@ class PoolAdmin:
                 return p.StoreTicket(req_id, False)
         raise KvdError(f"pool {pool.name!r} is being reset", ErrorCode.MISSING)
 
+    def while_adopted(self, pool: Pool, req: p.Request, now: float) -> p.Reply | None:
+        """The answer to a store into a pool adopted warm less than two job timeouts
+        ago: no room (as a full pool of pinned blocks answers). A job the dead
+        daemon handed out may still be copied until its hard deadline, and the
+        new daemon does not know its slots. Lookups and loads go on."""
+        if now >= pool.stores_from or not isinstance(req, p.PrepareStore | p.Store):
+            return None
+        self._counters["stores_held_after_restart"] += 1
+        if isinstance(req, p.PrepareStore):
+            return p.PrepareStoreResult(req.req_id, False)
+        return p.StoreTicket(req.req_id, False)
+
     def finish_resets(self) -> None:
         """Completes every pending reset whose pool no longer has a copy in flight."""
         for pool in self.pools:

@@ -22,7 +22,7 @@ from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
 from kvd.errors import BadRequest, LayoutMismatch, NoSuchPool, TooLarge
 from kvd.io.ready_table import ReadyTableWriter
-from kvd.io.region import Manifest, SharedRegion
+from kvd.io.region import Manifest, SharedRegion, unlink_segment
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Attached, Layout, PoolInfo
 from kvd_client.ready_table import table_name
@@ -46,6 +46,10 @@ class Pool:
     table: ReadyTableWriter | None = None  # the ready set in shared memory (SPEC 15)
     sessions: int = 0
     resetting: bool = False  # a Reset waits for the pool's copies to end
+    # Adopted warm: no slot is handed out before this (monotonic), so that a job
+    # of the dead daemon, still copied until its hard deadline, lands in no
+    # other block's slot (SPEC 13; `PoolAdmin.while_adopted`).
+    stores_from: float = 0.0
 
     @property
     def index(self) -> BlockIndex:
@@ -311,28 +315,48 @@ class PoolRegistry:
         declared = {pc.name: pc for pc in self.config.pools}
         adopted = []
         for f in checked:
-            shm, header, layout, pool_name = f.shm, f.header, f.layout, f.header.name
-            start = time.monotonic()
-            region = SharedRegion(
-                shm, header, gid=self._gid, prefault=False, manifest=self._manifest, adopted=True
-            )
-            slots, keys, bad = region.table.ready_entries()
-            scanned = time.monotonic()
-            h = header
-            geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
-                                h.slot_stride, h.replicated)  # fmt: skip
-            policy = declared[pool_name].policy if pool_name in declared else None
-            policy = policy or self.config.policy
-            index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
-            pool = self._add(pool_name, layout, geometry, header.generation, region, index, policy)
-            index.adopt(slots, keys)
-            adopted.append(pool)
-            log.info(
-                "event=pool_adopted pool=%s shm=%s blocks_ready=%d entries_refused=%d "
-                "blocks=%d seconds=%.3f scan_seconds=%.3f",
-                pool_name, shm, len(keys), bad, geometry.num_blocks, time.monotonic() - start,
-                scanned - start,
-            )  # fmt: skip
+            try:
+                shm, header, layout, pool_name = f.shm, f.header, f.layout, f.header.name
+                start = time.monotonic()
+                region = SharedRegion(
+                    shm,
+                    header,
+                    gid=self._gid,
+                    prefault=self.config.prefault,
+                    manifest=self._manifest,
+                    adopted=True,
+                )
+                slots, keys, bad = region.table.ready_entries()
+                scanned = time.monotonic()
+                h = header
+                geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
+                                    h.slot_stride, h.replicated)  # fmt: skip
+                policy = declared[pool_name].policy if pool_name in declared else None
+                policy = policy or self.config.policy
+                index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
+                pool = self._add(
+                    pool_name, layout, geometry, header.generation, region, index, policy
+                )
+                index.adopt(slots, keys)
+                # Jobs of the dead daemon were made before now: their hard deadlines
+                # (two job timeouts after they were made) are all behind this one.
+                hold_s = 2 * self.config.job_timeout_ms / 1000
+                pool.stores_from = time.monotonic() + hold_s
+                adopted.append(pool)
+                log.info(
+                    "event=pool_adopted pool=%s shm=%s blocks_ready=%d entries_refused=%d "
+                    "blocks=%d seconds=%.3f scan_seconds=%.3f stores_held_s=%.1f",
+                    pool_name, shm, len(keys), bad, geometry.num_blocks, time.monotonic() - start,
+                    scanned - start, hold_s,
+                )  # fmt: skip
+            except Exception as exc:  # one pool that cannot be taken back starts cold
+                log.warning("event=pool_not_adopted pool=%s shm=%s reason=%s",
+                            pool_name, shm, f"adoption failed: {exc!r}")  # fmt: skip
+                self.refused.append(pool_name)
+                if pool_name in self._pools:
+                    self.drop(pool_name)
+                else:
+                    unlink_segment(shm, self._manifest)
         return adopted
 
     def _table(

@@ -70,6 +70,11 @@ _COUNTERS = (
     ),
     ("kvd_stores", "Store transfer jobs started.", "stores"),
     ("kvd_stores_rejected", "Store requests refused because nothing fit.", "stores_rejected"),
+    (
+        "kvd_stores_held_after_restart",
+        "Store requests refused while a pool adopted warm waits out the dead daemon's jobs.",
+        "stores_held_after_restart",
+    ),
     ("kvd_loads", "Load transfer jobs started.", "loads"),
     ("kvd_blocks_stored", "Blocks that became ready.", "blocks_stored"),
     ("kvd_evictions", "Blocks evicted to make room.", "evictions"),

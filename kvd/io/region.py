@@ -98,8 +98,20 @@ class Manifest:
                 gone.append(name)
             except posix_ipc.ExistentialError:
                 pass  # already gone (e.g. after a reboot): nothing to unlink
+            except posix_ipc.Error as exc:  # another user's, in sticky /dev/shm: leave it
+                log.warning("event=stale_segment_kept name=%s reason=%s", name, exc)
         self._write([n for n in self.names() if n in keep])
         return gone
+
+
+def unlink_segment(name: str, manifest: Manifest) -> None:
+    """Unlinks a segment this daemon will not use and takes it off the manifest;
+    one already gone, or another user's, is only logged."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.Error as exc:
+        log.warning("event=segment_not_unlinked name=%s reason=%s", name, exc)
+    manifest.remove(name)
 
 
 def group_id(group: str) -> int | None:
@@ -162,7 +174,9 @@ class SharedRegion:
                 if prefault:
                     self._check_room(shm.fd, size + reserved)
             self.table = SlotTable(shm.fd, header, fresh=not adopted)
-            if prefault and not adopted:
+            # An adopted segment too: its earlier run may have died prefaulting it
+            # (pages already there cost nothing).
+            if prefault:
                 self._prefaulter = threading.Thread(
                     target=self._prefault,
                     args=(os.dup(shm.fd), size),
@@ -185,6 +199,8 @@ class SharedRegion:
             shm = posix_ipc.SharedMemory(name)
         except posix_ipc.ExistentialError:
             raise BadSegment("gone") from None
+        except posix_ipc.Error as exc:  # another user's, or a mode that keeps us out
+            raise BadSegment(f"cannot be opened: {exc}") from None
         try:
             st = os.fstat(shm.fd)
             if st.st_uid != os.geteuid():

@@ -55,6 +55,14 @@ IDLE_S = 0.001
 PUBLISH_KEYS_PER_TURN = 4096
 
 
+def _slices(event: OffloadingEvent) -> list[OffloadingEvent]:
+    """`event` cut into events of at most PUBLISH_KEYS_PER_TURN keys, in order."""
+    n, keys = PUBLISH_KEYS_PER_TURN, event.keys
+    if len(keys) <= n:
+        return [event]
+    return [replace(event, keys=keys[i : i + n]) for i in range(0, len(keys), n)]
+
+
 class Server:
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
@@ -218,15 +226,12 @@ class Server:
                 publisher.all_cleared(pool)
                 del outbox[0]
                 continue
+            if left is not None and any(len(e.keys) > PUBLISH_KEYS_PER_TURN for e in events):
+                events[:] = [part for e in events for part in _slices(e)]  # once: O(n)
             taken: list[OffloadingEvent] = []
             while events and (left is None or left > 0):
-                event = events[0]
-                if left is not None and len(event.keys) > left:  # a slice of it now
-                    taken.append(replace(event, keys=event.keys[:left]))
-                    events[0] = replace(event, keys=event.keys[left:])
-                    left = 0
-                    break
-                taken.append(events.pop(0))
+                event = events.pop(0)
+                taken.append(event)
                 if left is not None:
                     left -= len(event.keys)
             publisher.add(pool, taken)

@@ -172,8 +172,13 @@ def test_daemon_killed_and_restarted_client_recovers(daemon: DaemonProcess) -> N
             time.sleep(0.05)
         assert s.connected
         assert s.lookup(keys(2)) == 2  # a restarted daemon adopts its pools warm (SPEC 13)
-        out = s.prepare_store(keys(2))
-        assert out is not None and out.keys_to_store == []  # both are there already
+        # Stores wait two job timeouts (the dead daemon's jobs may still be copied).
+        assert s.prepare_store(keys(2)) is None
+        deadline = time.monotonic() + 15
+        while (out := s.prepare_store(keys(2))) is None:
+            assert time.monotonic() < deadline, "stores still held 15 s after the restart"
+            time.sleep(0.1)
+        assert out.keys_to_store == []  # both are there already
         out = s.prepare_store(keys(4))
         assert out is not None and out.keys_to_store == keys(4)[2:]
         s.complete_store(keys(4))
@@ -287,6 +292,10 @@ def test_unsupported_version_and_hello_first(daemon: DaemonProcess) -> None:
         reply = p.reply_decoder.decode(sock.recv())
         assert isinstance(reply, p.Error)
         assert (reply.req_id, reply.code) == (8, ErrorCode.UNSUPPORTED_VERSION)
+        sock.send(p.encoder.encode(p.Hello(8, 1, "admin")))  # before data_offset: refused
+        assert sock.poll(5000)
+        reply = p.reply_decoder.decode(sock.recv())
+        assert isinstance(reply, p.Error) and reply.code == ErrorCode.UNSUPPORTED_VERSION
         sock.send(p.encoder.encode(p.Hello(9, p.PROTOCOL_VERSION, "admin")))
         assert sock.poll(5000)
         assert isinstance(p.reply_decoder.decode(sock.recv()), p.Welcome)

@@ -455,7 +455,7 @@ def test_a_store_whose_push_fails_gives_its_slots_back(tmp_path: object) -> None
     service = Service(config, pools, "token")
     try:
         for ident, role in ((b"s", "scheduler"), (b"w", "worker")):
-            service.handle(ident, p.encoder.encode(p.Hello(1, 1, role, "E")), 0.0)  # type: ignore[arg-type]
+            service.handle(ident, p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, role, "E")), 0.0)  # type: ignore[arg-type]
             cap = CAPACITY if role == "scheduler" else None
             service.handle(ident, p.encoder.encode(p.Attach(2, "fr-p", TP1, cap)), 0.0)
         service.outbox.clear()
@@ -504,8 +504,15 @@ def test_job_ids_do_not_repeat_across_a_daemon_restart(daemon: DaemonProcess) ->
     w = Wire(daemon)
     try:
         sched = w.attached("scheduler", "fr-id", TP1, "E")
-        w.attached("worker", "fr-id", TP1, "E")
-        assert store(sched, [key(2)]) > first  # a worker may still remember `first`
+        worker = w.attached("worker", "fr-id", TP1, "E")
+        deadline = time.monotonic() + 15  # an adopted pool holds stores two job timeouts
+        while not getattr(ticket := sched.ask(p.Store, [key(2)], [0]), "fits", False):
+            assert isinstance(ticket, p.StoreTicket), ticket
+            assert time.monotonic() < deadline, "stores still held 15 s after the restart"
+            assert isinstance(worker.ask(p.Heartbeat), p.Ok)  # the test's lease is short
+            time.sleep(0.1)
+        assert isinstance(ticket, p.StoreTicket) and ticket.job_id is not None
+        assert ticket.job_id > first  # a worker may still remember `first`
     finally:
         w.close()
 

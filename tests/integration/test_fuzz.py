@@ -352,9 +352,9 @@ def test_what_the_fuzzer_found() -> None:
         # A bool req_id was echoed back as a bool: a reply no client could decode.
         reply = ask(a, msgspec.msgpack.encode(["Lookup", True, []]))
         assert isinstance(reply, p.Error) and reply.req_id == 0
-        assert code(ask(a, p.Hello(1, 1, "scheduler", "e"))) == "Welcome"
-        assert code(ask(w, p.Hello(1, 1, "worker", "e"))) == "Welcome"
-        assert code(ask(admin, p.Hello(1, 1, "admin"))) == "Welcome"
+        assert code(ask(a, p.Hello(1, p.PROTOCOL_VERSION, "scheduler", "e"))) == "Welcome"
+        assert code(ask(w, p.Hello(1, p.PROTOCOL_VERSION, "worker", "e"))) == "Welcome"
+        assert code(ask(admin, p.Hello(1, p.PROTOCOL_VERSION, "admin"))) == "Welcome"
         # Non-ASCII letters and digits made pool (and segment) names.
         assert code(ask(a, p.Attach(2, "ñame", FZ, 4096))) == "BAD_REQUEST"
         assert code(ask(a, p.Attach(3, "x", FZ, 4096))) == "Attached"

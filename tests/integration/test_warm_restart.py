@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import stat
 import struct
@@ -380,7 +381,7 @@ def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_serve
     n, row = 10_000, 256
     layout = Layout("big", "int8", 16, 1, False, row)
     keys = [key(i) for i in range(n)]
-    d = DaemonProcess(events_int_hashes="false").start()
+    d = DaemonProcess(events_int_hashes="false", job_timeout_ms="500").start()
     try:
         with Scheduler("big", layout, engine_id="e", endpoint=d.endpoint,
                        capacity_bytes=n * row) as s:  # fmt: skip
@@ -393,7 +394,11 @@ def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_serve
         with Scheduler("big", layout, engine_id="e2", endpoint=d.endpoint) as s:
             assert s.lookup(keys[:3]) == 3
             fresh = [key(n + 1)]
-            out = s.prepare_store(fresh)  # full: evicts one adopted block
+            deadline = time.monotonic() + 10
+            while (out := s.prepare_store(fresh)) is None:  # held two job timeouts
+                assert time.monotonic() < deadline, "stores still held 10 s after the restart"
+                time.sleep(0.1)
+            # full: evicts one adopted block
             assert out is not None and len(out.evicted_keys) == 1
             s.complete_store(fresh)
             evicted = out.evicted_keys[0]
@@ -418,6 +423,60 @@ def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_serve
         d.stop()
 
 
+def test_a_job_of_the_dead_daemon_never_lands_in_another_blocks_slot() -> None:
+    """A store job the dead daemon pushed to a worker that outlives it may still
+    be copied until its deadline; the new daemon does not know which slot it
+    names, so it hands out no slot for two job timeouts (`stores_held_after_restart`),
+    and a block stored after that holds its own bytes."""
+    d = DaemonProcess(lease_ms="3000", job_timeout_ms="1000").start()
+    cache = contiguous_cache(4, LAYOUT.slot_bytes, "int64")
+    try:
+        with (
+            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
+                      capacity_bytes=8 * LAYOUT.slot_bytes) as s,
+            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
+        ):  # fmt: skip
+            cache[0] = block_content(1, ELEMS)
+            old = s.store([key(1)], [0])
+            assert old is not None
+            w._conn.receive(2000)
+            w._launch()  # the job arrived; the engine has not named it yet
+            assert old.job_id in w._arrived
+            epoch = s.epoch
+            d.kill(signal.SIGKILL)
+            d.start()
+            deadline = time.monotonic() + 30
+            while not (s.connected and s.epoch > epoch and w.connected):
+                assert time.monotonic() < deadline, "the clients did not come back"
+                time.sleep(0.05)
+            assert s.store([key(2)], [1]) is None  # held: the old job may still run
+            w.wait([old.job_id], timeout_s=5)  # the engine names it: it runs, or is refused late
+            cache[1] = block_content(2, ELEMS)
+            deadline = time.monotonic() + 10
+            while (new := s.store([key(2)], [1])) is None:
+                assert time.monotonic() < deadline, "stores still held 10 s after the restart"
+                time.sleep(0.1)
+            assert w.wait([new.job_id])[new.job_id]
+            deadline = time.monotonic() + 10
+            while s.lookup([key(2)]) != 1:
+                assert time.monotonic() < deadline
+                s.finished()
+                time.sleep(0.01)
+            cache.zero_()
+            job = s.load([key(2)], [3])
+            assert w.wait([job])[job]
+            assert torch.equal(cache[3], block_content(2, ELEMS)), "key 2 holds other bytes"
+        conn = admin(d)
+        try:
+            stats = conn.call(p.Stats)
+            assert isinstance(stats, p.StatsResult)
+            assert stats.counters["stores_held_after_restart"] >= 1
+        finally:
+            conn.close()
+    finally:
+        d.stop()
+
+
 def test_segments_keep_their_mode() -> None:
     d = DaemonProcess().start()
     try:
@@ -425,3 +484,52 @@ def test_segments_keep_their_mode() -> None:
         assert stat.S_IMODE(os.stat("/dev/shm" + shm).st_mode) == 0o600
     finally:
         d.stop()
+
+
+def _adopt_as_another_user(name: str, manifest: str, conn: object) -> None:
+    """In a child: as `nobody` when run as root, what a daemon of another uid finds."""
+    from kvd.io.region import Manifest, SharedRegion
+    from kvd_client.segment import BadSegment
+
+    if os.geteuid() == 0:
+        os.setgid(65534)
+        os.setuid(65534)
+    try:
+        SharedRegion.adopt(name, None)
+        answer = "adopted"
+    except BadSegment as exc:
+        answer = f"refused: {exc}"
+    gone = Manifest(Path(manifest)).unlink_stale()
+    conn.send((answer, gone))  # type: ignore[attr-defined]
+
+
+def test_a_segment_this_uid_cannot_open_is_refused_and_left_not_a_crash() -> None:
+    """Another user's segment (or one whose mode keeps this uid out): refused with
+    its reason, and the stale-segment sweep leaves it instead of raising."""
+    import multiprocessing as mp
+
+    name = f"/kvd.other.{os.getpid()}"
+    seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096)
+    seg.close_fd()
+    import tempfile
+
+    where = Path(tempfile.mkdtemp(prefix="kvd-t"))  # reachable by `nobody`, unlike tmp_path
+    os.chmod(where, 0o777)
+    manifest = where / "segments"
+    manifest.write_text(name + "\n")
+    os.chmod(manifest, 0o666)
+    try:
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_adopt_as_another_user, args=(name, str(manifest), child))
+        proc.start()
+        assert parent.poll(20), "the child did not answer"
+        answer, gone = parent.recv()
+        proc.join(10)
+        assert proc.exitcode == 0
+        assert answer.startswith("refused: cannot be opened"), answer
+        assert gone == []
+        assert Path("/dev/shm" + name).exists()  # left for its owner
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+        shutil.rmtree(where, ignore_errors=True)

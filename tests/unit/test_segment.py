@@ -242,3 +242,14 @@ def test_the_c_scan_answers_as_the_python_one(written: list[tuple[int, bytes, in
 def test_the_c_scan_refuses_a_table_outside_its_buffer() -> None:
     with pytest.raises(ValueError, match="outside the buffer"):
         warmstart.scan(bytes(ENTRY_BYTES * 4), 0, 5)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "adaptive"])
+def test_an_adopted_index_evicts_the_oldest_stores_first(policy: str) -> None:
+    """Policy order after a warm restart is store order: oldest first out."""
+    index = BlockIndex(4, policy)
+    index.adopt([2, 0, 3, 1], [b"k0", b"k1", b"k2", b"k3"])  # k0 stored first
+    out = index.prepare_store([b"new0", b"new1"])
+    assert out is not None
+    assert sorted(out.evicted_keys) == [b"k0", b"k1"]
+    assert index.check_invariants() == []

@@ -319,7 +319,7 @@ class BlockIndex:
             at = ready.find(0, at + 1)
         self._free = array("i", free[::-1])
         self._next_fresh = self.num_blocks
-        self.policy.insert(list(slots), list(keys))
+        self.policy.adopt(list(slots), list(keys))
         if keys:
             if self.sink is not None:
                 self.sink.adopted(keys)

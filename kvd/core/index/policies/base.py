@@ -47,6 +47,12 @@ class CachePolicy(ABC):
     def get(self, slot: int) -> bool:
         """True when `slot` is resident. Mutates nothing."""
 
+    def adopt(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        """Makes each of `slots` resident with a ready block of an earlier run (a
+        warm restart, SPEC 13), oldest store first, so that the last ends the
+        most recent. By default `insert` in that order."""
+        self.insert(slots, keys)
+
     @abstractmethod
     def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         """Makes each of `slots` resident, holding a new block (not ready yet)

@@ -102,6 +102,11 @@ class ProbationCache(CachePolicy):
     def insert(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         self.insert_fingerprints(slots, list(map(zlib.crc32, keys)))
 
+    def adopt(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        # `insert` links a batch tail first (its first block ends most recent):
+        # the newest block goes first so that it ends the most recent.
+        self.insert(list(slots)[::-1], list(keys)[::-1])
+
     def insert_fingerprints(self, slots: Sequence[int], fps: Sequence[int]) -> None:
         """`insert`, for keys already reduced to their `fingerprint`."""
         stamp, fp_of, seen = self._stamp, self._fp, self._doorkeepers[self.memory]
