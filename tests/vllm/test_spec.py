@@ -274,9 +274,12 @@ def test_pins_start_at_the_first_key_vllm_asks_and_unloaded_ones_go_at_the_load(
         worker.shutdown()
 
 
-def test_pins_of_a_daemon_that_restarted_are_not_trusted() -> None:
+@pytest.mark.parametrize("restart", ["cold", "warm"])
+def test_pins_of_a_daemon_that_restarted_are_not_trusted(restart: str) -> None:
+    """The pins went with the daemon: `prepare_load` pins again. Cold, the blocks
+    are gone (UNSERVABLE: vLLM recomputes); warm, they came back in their slots."""
     tensor = torch.zeros((16, 4096), dtype=torch.int8)
-    d = DaemonProcess(lease_ms="3000").start()
+    d = DaemonProcess(lease_ms="3000", restart=restart).start()
     try:
         spec = KvdOffloadingSpec(
             config(kvd_ready_table=False, kvd_endpoint=d.endpoint, kvd_capacity_bytes=1 << 20)
@@ -285,16 +288,21 @@ def test_pins_of_a_daemon_that_restarted_are_not_trusted() -> None:
         manager, worker = store_and_pin(spec, tensor, ctx)
         scheduler = spec.get_manager()._scheduler  # type: ignore[attr-defined]
         epoch = scheduler.epoch
+        epoch_generation = scheduler.attached.generation
         d.kill(signal.SIGKILL)
-        d.start()  # cold: the pool is empty, the old pins are gone
+        d.start()
         deadline = time.monotonic() + 30
         while not (scheduler.connected and scheduler.epoch > epoch):
             assert time.monotonic() < deadline, "the plug-in never reconnected"
             time.sleep(0.05)
-        lost = manager.prepare_load(KEYS, ctx)  # type: ignore[arg-type]
-        assert isinstance(lost, KvdLoadStoreSpec) and lost.generation == UNSERVABLE
-        manager.on_schedule_end(None)
-        assert manager.lookup(KEYS[0], ctx) is LookupResult.MISS  # type: ignore[arg-type]
+        again = manager.prepare_load(KEYS, ctx)  # type: ignore[arg-type]
+        assert isinstance(again, KvdLoadStoreSpec)
+        if restart == "cold":  # the pool is empty
+            assert again.generation == UNSERVABLE
+            manager.on_schedule_end(None)
+            assert manager.lookup(KEYS[0], ctx) is LookupResult.MISS  # type: ignore[arg-type]
+        else:  # adopted: pinned again in the same segment
+            assert again.generation == epoch_generation
         manager.shutdown()
         worker.shutdown()
     finally:
