@@ -158,12 +158,12 @@ class PoolRegistry:
                 f"pool {name!r} asks {capacity_bytes} bytes; {room} of max_total_bytes "
                 f"{self.config.max_total_bytes} are left"
             )
-        geometry = Geometry.plan(
-            slot_bytes=layout.slot_bytes,
-            world_size=layout.world_size,
-            replicated=layout.replicated,
-            capacity_bytes=min(wanted, room),
-        )
+
+        def plan(capacity: int) -> Geometry:
+            return Geometry.plan(slot_bytes=layout.slot_bytes, world_size=layout.world_size,
+                                 replicated=layout.replicated, capacity_bytes=capacity)  # fmt: skip
+
+        geometry = plan(min(wanted, room))
         generation = time.time_ns() // 1000
         header = self._header(name, layout, geometry, generation, policy)
         if header.size_bytes > room:
@@ -173,12 +173,7 @@ class PoolRegistry:
                     f"{room} of max_total_bytes {self.config.max_total_bytes} are left"
                 )
             # The default size: fewer blocks, so that the rows and the table fit.
-            geometry = Geometry.plan(
-                slot_bytes=layout.slot_bytes,
-                world_size=layout.world_size,
-                replicated=layout.replicated,
-                capacity_bytes=room - (header.size_bytes - geometry.size_bytes),
-            )
+            geometry = plan(room - (header.size_bytes - geometry.size_bytes))
             header = self._header(name, layout, geometry, generation, policy)
         region = None
         for _ in range(16):

@@ -97,6 +97,17 @@ def invariants(d: DaemonProcess) -> list[str]:
         conn.close()
 
 
+def kill_and_restart(d: DaemonProcess, s: Scheduler, w: Worker) -> None:
+    """SIGKILLs the daemon, starts it again, and waits until both clients are back."""
+    epoch = s.epoch
+    d.kill(signal.SIGKILL)
+    d.start()
+    deadline = time.monotonic() + 30
+    while not (s.connected and s.epoch > epoch and w.connected):
+        assert time.monotonic() < deadline, "the clients did not come back"
+        time.sleep(0.05)
+
+
 def verify_loads(d: DaemonProcess, keys: list[bytes], pool: str, layout: Layout) -> int:
     """Loads every key through a real worker and checks its bytes; returns blocks verified."""
     n = max(1, len(keys))
@@ -187,13 +198,8 @@ def test_clients_ride_through_and_in_flight_stores_do_not_come_back() -> None:
                 time.sleep(0.01)
             in_flight = [key(i) for i in range(4, 8)]
             assert s.prepare_store(in_flight) is not None  # never completed
-            mapping, generation, epoch = w._mapping, s.attached.generation, s.epoch
-            d.kill(signal.SIGKILL)
-            d.start()
-            deadline = time.monotonic() + 30
-            while not (s.connected and s.epoch > epoch and w.connected):
-                assert time.monotonic() < deadline, "the clients never reconnected"
-                time.sleep(0.05)
+            mapping, generation = w._mapping, s.attached.generation
+            kill_and_restart(d, s, w)
             assert s.attached.generation == generation  # the same pool, re-attached
             w.poll()
             assert w._mapping is mapping  # and the worker kept its mapping
@@ -442,13 +448,7 @@ def test_a_job_of_the_dead_daemon_never_lands_in_another_blocks_slot() -> None:
             w._conn.receive(2000)
             w._launch()  # the job arrived; the engine has not named it yet
             assert old.job_id in w._arrived
-            epoch = s.epoch
-            d.kill(signal.SIGKILL)
-            d.start()
-            deadline = time.monotonic() + 30
-            while not (s.connected and s.epoch > epoch and w.connected):
-                assert time.monotonic() < deadline, "the clients did not come back"
-                time.sleep(0.05)
+            kill_and_restart(d, s, w)
             assert s.store([key(2)], [1]) is None  # held: the old job may still run
             w.wait([old.job_id], timeout_s=5)  # the engine names it: it runs, or is refused late
             cache[1] = block_content(2, ELEMS)

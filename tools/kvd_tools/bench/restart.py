@@ -80,6 +80,21 @@ def _store_cost(num_blocks: int, with_table: bool) -> float:
             os.close(fd)
 
 
+def _blocks_ready(endpoint: str) -> int:
+    """The bench pool's ready blocks, as the daemon counts them (`Pools`)."""
+    from kvd_client import protocol as p
+    from kvd_client.connection import Connection
+
+    conn = Connection(endpoint, role="admin", keeper=False, timeout_ms=60_000)
+    conn.connect()
+    try:
+        reply = conn.call(p.Pools)
+    finally:
+        conn.close()
+    assert isinstance(reply, p.PoolsResult)
+    return reply.pools[0].blocks_ready
+
+
 def _crc_rate() -> float:
     """GB/s of zlib.crc32 over 64 MiB, best of three."""
     import zlib
@@ -95,8 +110,6 @@ def _crc_rate() -> float:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvd_client import Layout, Scheduler
-    from kvd_client import protocol as p
-    from kvd_client.connection import Connection
     from kvd_client.worker import Mapping
     from kvd_tools.bench.suites import SuiteError
 
@@ -123,12 +136,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     for k, slot in zip(out.keys_to_store, out.store_spec.slots, strict=True):
                         mm[slot * row : slot * row + SLOT_BYTES] = _content(k)
                     s.complete_store(batch)
-            conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=60_000)
-            conn.connect()
-            reply = conn.call(p.Pools)
-            conn.close()
-            assert isinstance(reply, p.PoolsResult)
-            before = reply.pools[0].blocks_ready
+            before = _blocks_ready(daemon.endpoint)
             daemon.kill(signal.SIGKILL)
             t0 = time.monotonic()
             daemon.start(wait=False)
@@ -151,12 +159,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             verified += 1
                     if hits:
                         s.complete_load(batch[:hits])
-                conn = Connection(daemon.endpoint, role="admin", keeper=False, timeout_ms=60_000)
-                conn.connect()
-                reply = conn.call(p.Pools)
-                conn.close()
-                assert isinstance(reply, p.PoolsResult)
-                after = reply.pools[0].blocks_ready
+                after = _blocks_ready(daemon.endpoint)
             rows_map.close()
             found = re.findall(r"event=pool_adopted .* seconds=([0-9.]+)", daemon.log())
             rows.append({
