@@ -131,8 +131,12 @@ class Server:
         )
         # A pool created now starts over, and so does one refused warm; an
         # adopted pool announces its blocks instead (its adoption's stored event).
-        for name in dict.fromkeys([*refused, *(p.name for p in self.pools)]):
-            if name not in adopted:
+        # So does each pool of an earlier run whose segment was unlinked as stale
+        # (a cold start after a warm run or a crash): an indexer forgets its blocks.
+        gone = [n[len("/kvd.") :].rpartition(".")[0] for n in stale
+                if n.startswith("/kvd.") and not n.endswith(".ready")]  # fmt: skip
+        for name in dict.fromkeys([*refused, *gone, *(p.name for p in self.pools)]):
+            if name and name not in adopted:
                 self.publisher.all_cleared(name)
         self.publisher.flush(time.time())
         self._publish()

@@ -267,6 +267,9 @@ def test_restart_cold_unlinks_at_shutdown_and_at_start() -> None:
         assert os.path.exists("/dev/shm" + shm)
         d.start()
         assert not os.path.exists("/dev/shm" + shm) and pool_info(d, "p") is None
+        # The dead run's pool is gone: its topic starts over for an indexer.
+        cleared = [e for e in replayed(d) if e["type"] == "AllBlocksCleared"]
+        assert cleared, "no AllBlocksCleared for the pool a cold start unlinked"
     finally:
         d.stop()
 
