@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -49,12 +50,10 @@ def _bad_frames(rng: random.Random, n: int) -> list[bytes]:
     return [rng.choice(makers)() for _ in range(n)]
 
 
-def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
-    # Built before the session opens: building them takes longer than the test
-    # daemon's 600 ms lease, during which the session would be silent.
-    frames = _bad_frames(random.Random(1234), 10_000)
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+def _attached_scheduler(daemon: DaemonProcess) -> tuple[zmq.Socket, Callable[[bytes], p.Reply]]:
+    """A raw DEALER that said Hello as a scheduler and attached pool "pool", and
+    `ask(frame)`: one frame sent, its reply decoded."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(daemon.endpoint)
 
@@ -63,11 +62,18 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
         assert sock.poll(5000), "the daemon stopped answering"
         return p.reply_decoder.decode(sock.recv())
 
+    hello = ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler")))
+    assert isinstance(hello, p.Welcome)
+    assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
+    return sock, ask
+
+
+def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
+    # Built before the session opens: building them takes longer than the test
+    # daemon's 600 ms lease, during which the session would be silent.
+    frames = _bad_frames(random.Random(1234), 10_000)
+    sock, ask = _attached_scheduler(daemon)
     try:
-        assert isinstance(
-            ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))), p.Welcome
-        )
-        assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
         codes: dict[str, int] = {}
         for start in range(0, len(frames), 500):  # pipelined in windows of 500
             batch = frames[start : start + 500]
@@ -88,7 +94,7 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
         assert isinstance(p.reply_decoder.decode(sock.recv()), p.Error)
 
         # An oversized frame is dropped by the transport; the daemon keeps serving.
-        big = ctx.socket(zmq.DEALER)
+        big = zmq.Context.instance().socket(zmq.DEALER)
         big.setsockopt(zmq.LINGER, 0)
         big.connect(daemon.endpoint)
         big.send(b"\x00" * (p.MAX_FRAME_BYTES + 1))
@@ -106,20 +112,8 @@ def test_ten_thousand_malformed_frames(daemon: DaemonProcess) -> None:
 
 def test_undecodable_frames_renew_the_lease(daemon: DaemonProcess) -> None:
     """SPEC 7: any message renews a lease, one the daemon cannot decode too."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(daemon.endpoint)
-
-    def ask(frame: bytes) -> p.Reply:
-        sock.send(frame)
-        assert sock.poll(5000), "the daemon stopped answering"
-        return p.reply_decoder.decode(sock.recv())
-
+    sock, ask = _attached_scheduler(daemon)
     try:
-        assert isinstance(
-            ask(p.encoder.encode(p.Hello(1, p.PROTOCOL_VERSION, "scheduler"))), p.Welcome
-        )
-        assert isinstance(ask(p.encoder.encode(p.Attach(2, "pool", LAYOUT, 1 << 20))), p.Attached)
         deadline = time.monotonic() + 3 * 0.6  # three of the test daemon's leases
         while time.monotonic() < deadline:
             assert ask(b"\xc1garbage").code == "BAD_REQUEST"  # 0xc1: never valid msgpack
