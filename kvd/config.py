@@ -33,6 +33,64 @@ class ConfigError(Exception):
     """A configuration that cannot run; the message is one line naming the key."""
 
 
+class RemoteTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the remote tier is, as `remote_url` says (`parse_remote_url`)."""
+
+    cluster: bool
+    nodes: list[tuple[str, int]]
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+
+
+_REMOTE_SCHEMES = {
+    "redis": (False, False),
+    "rediss": (False, True),
+    "redis+cluster": (True, False),
+    "rediss+cluster": (True, True),
+}
+
+
+def parse_remote_url(url: str) -> RemoteTarget:
+    """`remote_url` -> RemoteTarget; ValueError (saying what is wrong) otherwise."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _REMOTE_SCHEMES:
+        raise ValueError(
+            f"{url!r}: use redis://host:port[/db], rediss://..., or "
+            "redis+cluster://host:port[,host:port...]"
+        )
+    cluster, tls = _REMOTE_SCHEMES[scheme]
+    creds, at, hosts = rest.rpartition("@")
+    if not at:
+        creds, hosts = "", rest
+    hosts, slash, db_text = hosts.partition("/")
+    username = password = None
+    if creds:
+        user, colon, secret = creds.partition(":")
+        username, password = (user or None), (secret if colon else None)
+    db = 0
+    if slash and db_text:
+        if not db_text.isdigit():
+            raise ValueError(f"{url!r}: database {db_text!r} is not a number")
+        db = int(db_text)
+        if cluster and db:
+            raise ValueError(f"{url!r}: a cluster has database 0 only")
+    nodes = []
+    for part in hosts.split(","):
+        host, colon, port = part.strip().rpartition(":")
+        if not colon:
+            host, port = part.strip(), "6379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{url!r}: {part!r} is not host:port")
+        nodes.append((host, int(port)))
+    if not cluster and len(nodes) != 1:
+        raise ValueError(f"{url!r}: redis:// names one server; use redis+cluster:// for more")
+    return RemoteTarget(cluster=cluster, nodes=nodes, db=db, username=username,
+                        password=password, tls=tls)  # fmt: skip
+
+
 class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A pool declared up front; engines attach to it with an equal layout."""
 
@@ -79,6 +137,16 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     events_buffer: NonNegative = 10_000  # batches kept for replay
     events_buffer_bytes: Positive = 64 << 20  # ... and at most this many bytes of them
     metrics_addr: str = "127.0.0.1:9464"  # Prometheus /metrics; "none" disables
+    # The remote tier (SPEC 14): redis://host:port[/db], rediss://... (TLS), or
+    # redis+cluster://host:port[,host:port...] (rediss+cluster:// with TLS);
+    # "" = none. Pools with equal layouts share blocks through it across hosts.
+    remote_url: str = ""
+    remote_timeout_ms: Positive = 500  # one remote call; a lookup waits at most this
+    remote_write_max_bytes: Positive = 64 << 20  # write-behind bytes in flight; past it, skipped
+    remote_fetch_max_bytes: Positive = 256 << 20  # bytes one lookup's fetch brings in
+    remote_miss_ms: NonNegative = 2_000  # a block the remote lacked is not asked for again
+    remote_ttl_s: NonNegative = 0  # expiry of written blocks; 0 = the store's own policy
+    remote_prefix: str = "kvd"  # first part of every remote key
     pools: list[PoolConfig] = []
 
     @property
@@ -166,6 +234,15 @@ def load_config(
             raise ConfigError(f"bad config value: {key}: {value!r} is not ipc://... or tcp://...")
     if config.metrics_addr == "none":
         changes["metrics_addr"] = ""
+    if config.remote_url:
+        try:
+            parse_remote_url(config.remote_url)
+        except ValueError as exc:
+            raise ConfigError(f"bad config value: remote_url: {exc}") from None
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", config.remote_prefix):
+            raise ConfigError(
+                "bad config value: remote_prefix: 1 to 64 letters, digits, '.', '-' or '_'"
+            )
     if "{pool}" not in config.events_topic:
         raise ConfigError("bad config value: events_topic: must contain {pool}")
     if config.max_total_bytes == 0:

@@ -238,6 +238,9 @@ class Attached(_Msg, frozen=True):
     slot_stride: int
     ready_table: str = ""  # the pool's ready table (SPEC section 15); "" when none
     data_offset: int = 0  # where the rows start in the segment (SPEC section 13)
+    # The daemon has a remote tier (SPEC 14): a lookup the ready table answers
+    # short of all its keys asks the daemon, which may fetch the rest.
+    remote: bool = False
 
 
 class Ok(_Msg, frozen=True):

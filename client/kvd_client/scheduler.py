@@ -161,8 +161,11 @@ class Scheduler:
             except TableChanged:
                 pass  # a reset or rebuild raced the read: ask the daemon
             else:
-                self._observe(ks, hits)
-                return hits
+                attached = self.attached
+                if not (hits is not None and hits < len(ks) and attached and attached.remote):
+                    self._observe(ks, hits)
+                    return hits
+                # A miss where the daemon has a remote tier: it may fetch the rest.
         try:
             reply = self._call(p.Lookup, as_keys(keys))
         except Unavailable:

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import msgspec
 
 from kvd.config import Config
+from kvd.control.remote import ReadyTap
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
 from kvd.errors import BadRequest, LayoutMismatch, NoSuchPool, TooLarge
 from kvd.io.ready_table import ReadyTableWriter
 from kvd.io.region import Manifest, SharedRegion, unlink_segment
+from kvd.io.remote_value import layout_fingerprint
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Attached, Layout, PoolInfo
 from kvd_client.ready_table import table_name
@@ -50,6 +52,10 @@ class Pool:
     # of the dead daemon, still copied until its hard deadline, lands in no
     # other block's slot (SPEC 13; `PoolAdmin.while_adopted`).
     stores_from: float = 0.0
+    # With a remote tier (SPEC 14): the blocks that became ready, for the
+    # write-behind, and the name the pool's blocks have there.
+    tap: ReadyTap | None = None
+    fingerprint: str = ""
 
     @property
     def index(self) -> BlockIndex:
@@ -68,6 +74,7 @@ class Pool:
             g.slot_stride,
             self.table.name if self.table is not None else "",
             self.region.header.data_offset,
+            self.tap is not None,
         )
 
     def info(self) -> PoolInfo:
@@ -237,6 +244,10 @@ class PoolRegistry:
         pool = Pool(
             name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
         )
+        if self.config.remote_url:
+            pool.tap = ReadyTap(region.table)
+            index.slot_sink = pool.tap
+            pool.fingerprint = layout_fingerprint(layout, geometry)
         self._pools[name] = pool
         return pool
 

@@ -18,6 +18,7 @@ from kvd.config import Config
 from kvd.control.admin import PoolAdmin
 from kvd.control.leases import Leases
 from kvd.control.pools import Pool, PoolRegistry
+from kvd.control.remote import RemoteTier
 from kvd.control.sessions import Session, SessionTable
 from kvd.control.stats import Stats
 from kvd.control.transfers import Transfers
@@ -88,6 +89,7 @@ class Service:
         self.event_outbox = self.admin.event_outbox  # what the server publishes
         self.leases = Leases(config, pools, self.sessions, self.transfers, self.admin)
         self.last_type: type = p.Error  # type of the request handled last (metrics)
+        self.remote: RemoteTier | None = None  # the server sets it when remote_url is set
 
     # -- entry points ----------------------------------------------------------
 
@@ -130,6 +132,8 @@ class Service:
             )  # fmt: skip
             self.leases.end(session, now, certain=False)
         self.transfers.expire(now)
+        if self.remote is not None:
+            self.remote.tick(now)
         self.admin.release_due(now)
         self.admin.drop_unbacked()
         for pool in self.pools:  # readers take a table not written lately as dead
@@ -221,6 +225,8 @@ class Service:
         match req:
             case p.Lookup(req_id, keys, pin):
                 hits = owned.index.lookup(keys)
+                if self.remote is not None and hits is not None and hits < len(keys):
+                    hits = self.remote.lookup(pool, keys, hits, now)
                 self.counters["lookups"] += 1
                 self.counters["lookup_keys"] += len(keys)
                 self.counters["hit_blocks"] += hits or 0

@@ -1,7 +1,8 @@
 """Runs in the daemon: one POSIX shared-memory segment, its owner, its slot table and its cleanup.
 
 The daemon creates, sizes, prefaults and finally unlinks each pool's segment;
-it never reads or writes block data. Workers map the same segment by name.
+it reads and writes block data only for the remote tier (`rows`, SPEC 14).
+Workers map the same segment by name.
 The segment starts with a header and a slot table (`kvd_client.segment`, SPEC
 section 13), which the daemon maps and writes (`SlotTable`); the rows follow
 at `data_offset`. On a warm start (`restart = "warm"`) `SharedRegion.adopt`
@@ -246,6 +247,18 @@ class SharedRegion:
     def prefaulting(self) -> bool:
         """Whether the prefault thread is still allocating pages."""
         return self._prefaulter is not None and self._prefaulter.is_alive()
+
+    def rows(self) -> memoryview:
+        """The pool's rows (from `data_offset` on), mapped read-write for the remote
+        tier, which alone reads and writes block data in the daemon. The mapping
+        is unmapped when the last view of it goes (a thread may still hold one
+        after the pool is dropped: it then writes to pages no one maps)."""
+        shm = posix_ipc.SharedMemory(self.name)
+        try:
+            mm = mmap.mmap(shm.fd, self.header.size_bytes)
+        finally:
+            shm.close_fd()
+        return memoryview(mm)[self.header.data_offset :]
 
     def _unlink(self) -> None:
         try:

@@ -17,19 +17,23 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from kvd.config import Config
+from kvd.config import Config, parse_remote_url
 from kvd.control.pools import PoolRegistry
+from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
 from kvd.io.events import EventPublisher
 from kvd.io.metrics import Metrics
 from kvd.io.notify import Notifier
 from kvd.io.region import Manifest, group_id
+from kvd.io.remote_store import Link, RemoteStore, RemoteThread
+from kvd.io.remote_value import NATIVE_CRC
 from kvd.version import __version__
 from kvd_client.protocol import MAX_FRAME_BYTES, Layout
 from kvd_client.types import OffloadingEvent
@@ -104,6 +108,8 @@ class Server:
         if stale:
             log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
         self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
+        if cfg.remote_url:
+            self.service.remote = self._remote_tier()
         for pc in cfg.pools:
             if pc.name in adopted:
                 continue
@@ -165,6 +171,42 @@ class Server:
             cfg.lease_ms,
         )
 
+    def _remote_tier(self) -> RemoteTier:
+        """The remote tier's two threads, each with its own connection (SPEC 14)."""
+        cfg, service = self.config, self.service
+        assert service is not None and self.pools is not None
+        target = parse_remote_url(cfg.remote_url)
+        where = ",".join(f"{h}:{p}" for h, p in target.nodes)
+        link = Link(where)
+        loop = asyncio.get_running_loop()
+
+        def post(done: Callable[[], None]) -> None:
+            loop.call_soon_threadsafe(self._remote_done, done)
+
+        timeout_s = cfg.remote_timeout_ms / 1000
+        fetcher, writer = (
+            RemoteThread(f"kvd-remote-{role}", RemoteStore(target, timeout_s, link), post)
+            for role in ("fetch", "write")
+        )
+        log.info(
+            "event=remote_tier remote=%s cluster=%s tls=%s timeout_ms=%d write_max_bytes=%d "
+            "native_crc=%s",
+            where, target.cluster, target.tls, cfg.remote_timeout_ms,
+            cfg.remote_write_max_bytes, NATIVE_CRC,
+        )  # fmt: skip
+        if not NATIVE_CRC:
+            log.warning("event=remote_crc_slow reason=kvd_client._crc32c was not built")
+        return RemoteTier(cfg, self.pools, service.counters, fetcher, writer, link)
+
+    def _remote_done(self, done: Callable[[], None]) -> None:
+        """A remote call's result, on the loop: its index work, then what follows."""
+        service = self.service
+        assert service is not None
+        done()
+        if service.remote is not None:
+            service.remote.pump()
+        self._publish()
+
     # -- main loop -------------------------------------------------------------
 
     def _drain(self) -> None:
@@ -193,6 +235,8 @@ class Server:
         self._last_request = time.monotonic()
         if self._idle_timer is None and service.has_idle_work():
             self._idle_timer = asyncio.get_running_loop().call_later(IDLE_S, self._when_idle)
+        if service.remote is not None:
+            service.remote.pump()  # the write-behind of the blocks stored meanwhile
         self._publish()
 
     def _when_idle(self) -> None:
@@ -357,6 +401,8 @@ class Server:
             self._idle_timer = None
         if self.service is not None:
             self.service.shutdown()
+            if self.service.remote is not None:
+                self.service.remote.close()
         if self._control is not None and self.service is not None:
             self._flush()
         if self.pools is not None and self.service is not None:
