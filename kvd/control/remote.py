@@ -55,6 +55,7 @@ log = logging.getLogger("kvd.control.remote")
 MAX_MISSES = 200_000  # keys remembered as absent from the remote tier
 CHUNK_BYTES = 16 << 20  # values per pipelined GET or SET, by bytes
 MAX_PROBE_KEYS = 4096
+HEALTH_EVERY_S = 1.0  # an idle tier is pinged this often, for its state
 
 
 class ReadyTap:
@@ -147,6 +148,7 @@ class RemoteTier:
         self._misses: OrderedDict[tuple[str, bytes], float] = OrderedDict()
         self._rows: dict[tuple[str, int], memoryview] = {}
         self._pinging = False
+        self._pinged_at = 0.0
 
     @property
     def down(self) -> bool:
@@ -359,6 +361,8 @@ class RemoteTier:
         write.slots = list(spec.slots)
         write.nbytes = len(ready) * row_bytes
         self.write_bytes += write.nbytes
+        peak = self.counters["remote.write_bytes_peak"]
+        self.counters["remote.write_bytes_peak"] = max(peak, self.write_bytes)
         self._writes[write.write_id] = write
         rows, fingerprint = self._rows_of(pool), pool.fingerprint
         self.writer.submit(lambda store: self._put(store, write, rows, row_bytes, fingerprint))
@@ -404,10 +408,12 @@ class RemoteTier:
         for fetch in list(self._fetches.values()):
             if now >= max(fetch.deadline, fetch.progress + self.timeout_s):
                 self._give_up(fetch)
-        if not self.link.up and not self._pinging:
+        if not self._pinging and (not self.link.up or now - self._pinged_at >= HEALTH_EVERY_S):
             # Down, or not connected yet: the fetch thread reconnects (after its
-            # backoff); requests meanwhile do not ask the remote tier.
+            # backoff), and requests meanwhile do not ask the remote tier. Up: a
+            # ping now and then, so that the state is true without traffic.
             self._pinging = True
+            self._pinged_at = now
             self.fetcher.submit(self._ping)
         for name, generation in list(self._rows):  # a dropped pool's pages go with its map
             pool = self.pools.find(name)

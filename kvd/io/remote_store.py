@@ -66,6 +66,7 @@ class RemoteStore:
         self._client: Any = None
         self._backoff = 0.0
         self._next_try = 0.0
+        self._attempts = 0
 
     def _connect(self) -> Any:
         now = time.monotonic()
@@ -88,7 +89,12 @@ class RemoteStore:
             if t.cluster:
                 from redis.cluster import ClusterNode, RedisCluster
 
-                nodes = [ClusterNode(h, p) for h, p in t.nodes]  # type: ignore[no-untyped-call]
+                # Each attempt starts from the next node: redis-py asks its first
+                # startup node for the command table, so a dead first node would
+                # fail every attempt.
+                self._attempts += 1
+                i = self._attempts % len(t.nodes)
+                nodes = [ClusterNode(h, p) for h, p in t.nodes[i:] + t.nodes[:i]]  # type: ignore[no-untyped-call]
                 client: Any = RedisCluster(startup_nodes=nodes, **common)
             else:
                 (host, port), = t.nodes  # fmt: skip

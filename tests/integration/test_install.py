@@ -50,7 +50,7 @@ def test_the_daemon_declares_no_torch_and_no_numpy() -> None:
     names = [d.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip()
              for d in project["dependencies"]]  # fmt: skip
     assert not set(names) & {"torch", "numpy", "kvd-tools"}, names
-    assert {"msgspec", "pyzmq", "posix_ipc", "uvloop", "prometheus-client"} <= set(names)
+    assert {"msgspec", "pyzmq", "posix_ipc", "uvloop", "prometheus-client", "redis"} <= set(names)
     tools = tomllib.loads((ROOT / "tools" / "pyproject.toml").read_text())["project"]
     assert tools["name"] == "kvd-tools" and "torch>=2.4" in tools["dependencies"]
 

@@ -8,9 +8,7 @@ them up (None first, then hits), loads them, and gets the same bytes.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,42 +20,24 @@ from kvd.io.remote_value import (
     layout_fingerprint,
     remote_key,
 )
-from kvd_client import Layout, Scheduler
 from kvd_client.geometry import Geometry
-from kvd_tools.launcher import DaemonProcess
 from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer, available
-from tests.integration.engine_harness import CacheSpec, Rank, all_ranks
+from tests.integration.remote_hosts import (
+    BLOCKS,
+    SLOT_BYTES,
+    TP,
+    Engine,
+    Host,
+    counters,
+    fetch_all,
+    start_host,
+    stop_host,
+    wait_for,
+)  # fmt: skip
 
 pytestmark = pytest.mark.skipif(
     not available(), reason="redis-server is not installed (make test installs it as root)"
 )
-TP = 2
-SLOT_BYTES = 64 << 10
-BLOCKS = 8
-TIMEOUT_MS = 400
-
-
-def counters(d: DaemonProcess) -> dict[str, int]:
-    with Scheduler("probe", Layout("probe", "bfloat16", 16, 1, False, 256),
-                   engine_id="probe", endpoint=d.endpoint) as s:  # fmt: skip
-        return dict(s.stats().counters)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-@dataclass
-class Host:
-    daemon: DaemonProcess
-    ranks: list[Rank]
 
 
 @dataclass
@@ -66,18 +46,6 @@ class Hosts:
     store: Any  # RedisServer or RedisClusterProcesses
     a: Host
     b: Host
-
-
-def start_host(url: str, **flags: str) -> Host:
-    d = DaemonProcess(remote_url=url, remote_timeout_ms=str(TIMEOUT_MS),
-                      max_total_bytes="1GiB", **flags).start()  # fmt: skip
-    return Host(d, [Rank(r, TP, d.endpoint) for r in range(TP)])
-
-
-def stop_host(h: Host) -> None:
-    for r in h.ranks:
-        r.kill()
-    h.daemon.stop()
 
 
 @pytest.fixture(scope="module", params=["standalone", "cluster"])
@@ -93,55 +61,6 @@ def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
         for h in started:
             stop_host(h)
         store.stop()
-
-
-class Engine:
-    """A scheduler and its worker ranks on one host's pool."""
-
-    def __init__(self, host: Host, pool: str, replicated: bool, extra: str = "") -> None:
-        self.host = host
-        self.layout_args = (f"model-{pool}", "bfloat16", 16, TP, replicated, SLOT_BYTES, extra)
-        self.layout = Layout(*self.layout_args)
-        self.scheduler = Scheduler(
-            pool, self.layout, engine_id=f"model-{pool}-engine", endpoint=host.daemon.endpoint,
-            capacity_bytes=4 * BLOCKS * SLOT_BYTES * (1 if replicated else TP),
-        )  # fmt: skip
-        spec = CacheSpec("contiguous", SLOT_BYTES, 2 * BLOCKS)
-        all_ranks(host.ranks, "open", (pool, self.layout_args, spec))
-
-    def store(self, keys: list[bytes], seed: int) -> list[list[str]]:
-        all_ranks(self.host.ranks, "fill", seed)
-        src = list(range(len(keys)))
-        digests = all_ranks(self.host.ranks, "digest", src)
-        ticket = self.scheduler.store(keys, src)
-        assert ticket is not None and ticket.job_id is not None
-        assert all_ranks(self.host.ranks, "wait", [ticket.job_id]) == [{ticket.job_id: True}] * TP
-        wait_for("the store", lambda: any(r.ok for r in self.scheduler.finished()))
-        return list(digests)
-
-    def load(self, keys: list[bytes]) -> list[list[str]]:
-        all_ranks(self.host.ranks, "zero")
-        dst = [BLOCKS + i for i in reversed(range(len(keys)))]
-        job = self.scheduler.load(keys, dst)
-        assert all_ranks(self.host.ranks, "wait", [job]) == [{job: True}] * TP
-        return list(all_ranks(self.host.ranks, "digest", dst))
-
-    def close(self) -> None:
-        self.scheduler.close()
-
-
-def fetch_all(s: Scheduler, keys: list[bytes]) -> list[int | None]:
-    """Lookups until every key hits; the answers seen on the way."""
-    seen: list[int | None] = []
-
-    def look() -> bool:
-        hits = s.lookup(keys)
-        if not seen or seen[-1] != hits:
-            seen.append(hits)
-        return hits == len(keys)
-
-    wait_for("the remote blocks", look)
-    return seen
 
 
 @pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])

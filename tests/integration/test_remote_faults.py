@@ -1,0 +1,214 @@
+"""Runs in the test process: the remote tier when Redis dies, stalls, comes back or fails over (issue 17).
+
+Every fault costs remote misses, never a stall: the daemons keep answering
+local hits, no request waits past the remote timeout, and serving from the
+remote tier resumes on its own. The write-behind's bound holds under a burst.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvd_client import Scheduler
+from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer, available
+from tests.integration.remote_hosts import (
+    BLOCKS,
+    SLOT_BYTES,
+    TIMEOUT_MS,
+    Engine,
+    Host,
+    counters,
+    fetch_all,
+    start_host,
+    stop_host,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(
+    not available(), reason="redis-server is not installed (make test installs it as root)"
+)
+# What one lookup may take while the remote tier fails: its reply never waits
+# on the remote tier; the margin is for a loaded test machine.
+ANSWER_S = 1.0
+# How long a lookup may answer None once the remote tier stops answering:
+# the remote timeout (the probe's deadline, then the tick that gives up).
+RETRY_WINDOW_S = 2 * TIMEOUT_MS / 1000 + 1.5
+
+
+def keys_of(name: str, n: int = BLOCKS) -> list[bytes]:
+    return [f"{name}/{i}".encode() for i in range(n)]
+
+
+def timed_lookup(s: Scheduler, keys: list[bytes]) -> int | None:
+    start = time.monotonic()
+    hits = s.lookup(keys)
+    took = time.monotonic() - start
+    assert took < ANSWER_S, f"a lookup took {took:.2f} s"
+    return hits
+
+
+def settles(s: Scheduler, keys: list[bytes]) -> tuple[int, float]:
+    """Looks up until the answer is a count; that count and how long it took."""
+    start = time.monotonic()
+    while True:
+        hits = timed_lookup(s, keys)
+        if hits is not None:
+            return hits, time.monotonic() - start
+        assert time.monotonic() - start < RETRY_WINDOW_S, "lookups answered None too long"
+        time.sleep(0.01)
+
+
+def written(h: Host) -> int:
+    return counters(h.daemon).get("remote.blocks_written", 0)
+
+
+@pytest.fixture
+def standalone() -> Iterator[tuple[RedisServer, Host, Host]]:
+    store = RedisServer().start()
+    hosts: list[Host] = []
+    try:
+        hosts.append(start_host(store.url, tp=1))
+        hosts.append(start_host(store.url, tp=1))
+        yield store, hosts[0], hosts[1]
+    finally:
+        for h in hosts:
+            stop_host(h)
+        store.stop()
+
+
+def test_redis_killed_slowed_and_restarted(standalone: tuple[RedisServer, Host, Host]) -> None:
+    store, host_a, host_b = standalone
+    a, b = Engine(host_a, "faults"), Engine(host_b, "faults")
+    try:
+        local = keys_of("local")
+        base = written(host_a)
+        a.store(local, seed=1)
+        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+
+        # Killed: local hits flow, misses answer within the window, stores go on.
+        store.kill()
+        for _ in range(50):
+            assert timed_lookup(a.scheduler, local) == BLOCKS
+        hits, _ = settles(b.scheduler, keys_of("never-stored"))
+        assert hits == 0
+        wait_for("the daemon to see the tier down",
+                 lambda: counters(host_a.daemon).get("remote.connected") == 0)  # fmt: skip
+        while_down = keys_of("while-down")
+        a.store(while_down, seed=2)
+        assert timed_lookup(a.scheduler, while_down) == BLOCKS  # local: served at once
+        assert counters(host_a.daemon).get("remote.writes_skipped", 0) >= BLOCKS
+        assert settles(b.scheduler, while_down)[0] == 0
+
+        # Restarted (empty: no persistence): both daemons reconnect on their own.
+        store.start()
+        for h in (host_a, host_b):
+            wait_for("a reconnect", lambda h=h: counters(h.daemon).get("remote.connected") == 1)
+        after = keys_of("after-restart")
+        base = written(host_a)
+        stored = a.store(after, seed=3)
+        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        fetch_all(b.scheduler, after)
+        assert b.load(after) == stored
+
+        # Slowed: a DEBUG SLEEP stalls the server for longer than the timeout.
+        slow = keys_of("before-sleep")
+        base = written(host_a)
+        a.store(slow, seed=4)
+        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        sleeper = subprocess.Popen(
+            ["redis-cli", "-p", str(store.port), "debug", "sleep", "3"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            time.sleep(0.2)
+            hits, _ = settles(b.scheduler, slow)  # the fetch times out: a miss
+            assert hits == 0
+            for _ in range(50):  # what B holds is served meanwhile
+                assert timed_lookup(b.scheduler, after) == BLOCKS
+        finally:
+            sleeper.wait(timeout=10)
+        # Once the server answers again, the same blocks come from it.
+        wait_for("a reconnect", lambda: counters(host_b.daemon).get("remote.connected") == 1)
+        wait_for("the fetch after the stall", lambda: b.scheduler.lookup(slow) == BLOCKS,
+                 timeout=20)  # fmt: skip
+        c = counters(host_b.daemon)
+        assert c["remote.errors"] >= 1  # the kill and the stall, counted
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_write_behind_bound_holds_under_a_burst(tmp_path: object) -> None:
+    row = SLOT_BYTES  # tp=1, sharded: one slot per row
+    bound = 3 * row
+    with RedisServer() as store:
+        host = start_host(store.url, tp=1, remote_write_max_bytes=str(bound))
+        try:
+            e = Engine(host, "burst")
+            try:
+                total = 0
+                for burst in range(4):  # stores back to back, no wait for the writes
+                    keys = keys_of(f"burst{burst}")
+                    e.store(keys, seed=burst)
+                    total += len(keys)
+
+                def settled() -> dict[str, int] | None:
+                    c = counters(host.daemon)
+                    done = c.get("remote.blocks_written", 0) + c.get("remote.writes_skipped", 0)
+                    return c if done >= total else None
+
+                c = wait_for("every block written or skipped", settled)
+                assert c["remote.writes_skipped"] > 0
+                assert c["remote.blocks_written"] + c["remote.writes_skipped"] == total
+                assert 0 < c["remote.write_bytes_peak"] <= bound
+                assert int(store.cli("dbsize").strip()) == c["remote.blocks_written"]
+            finally:
+                e.close()
+        finally:
+            stop_host(host)
+
+
+def test_a_cluster_master_failing_over_is_survived() -> None:
+    with RedisClusterProcesses(3, replicas=1, node_timeout_ms=1000) as cluster:
+        a_host = start_host(cluster.url, tp=1)
+        b_host = start_host(cluster.url, tp=1)
+        try:
+            a, b = Engine(a_host, "failover"), Engine(b_host, "failover")
+            try:
+                before = keys_of("before")
+                base = written(a_host)
+                a.store(before, seed=5)
+                wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+                fetch_all(b.scheduler, before)
+
+                cluster.masters()[0].kill()  # its replica takes its slots over
+                for _ in range(20):
+                    assert timed_lookup(a.scheduler, before) == BLOCKS
+                cluster.wait_ok()
+                # A write that met the dead master is lost (written once, never
+                # retried); stores after the failover reach the new master.
+                for attempt in range(20):
+                    keys = keys_of(f"after{attempt}")
+                    base = written(a_host)
+                    stored = a.store(keys, seed=6 + attempt)
+                    try:
+                        wait_for("the write-behind",
+                                 lambda b=base: written(a_host) >= b + BLOCKS, timeout=3)  # fmt: skip
+                        break
+                    except AssertionError:
+                        continue
+                else:
+                    raise AssertionError("no write reached the cluster after the failover")
+                wait_for("the fetch after the failover",
+                         lambda: b.scheduler.lookup(keys) == BLOCKS, timeout=20)  # fmt: skip
+                assert b.load(keys) == stored
+            finally:
+                a.close()
+                b.close()
+        finally:
+            stop_host(a_host)
+            stop_host(b_host)

@@ -1,0 +1,300 @@
+"""Runs in the operator's shell: `kvd bench remote`, the remote tier on a real Redis (SPEC 14).
+
+A private `redis-server` on a free localhost port (or `--remote-url`) and
+two private daemons on it, A and B, stand for two hosts.
+
+Fetch rows (`value_bytes`, `fetch_gbps`, `bare_get_gbps`, `ratio`): A stores
+`--fetch-mib` of blocks of that size (bytes written through this process's
+mapping of the rows) and writes them behind. Then, in turns, a bare redis-py
+client (with hiredis) fetches the same values with pipelined GETs of 16 MiB,
+as kvd's fetch thread does, and daemon B fetches them into local slots of an
+empty pool: from B's first lookup (None) to the lookup that hits every key.
+Each figure is the median of `--rounds` turns; `ratio` = fetch / bare GET
+(SPEC goal >= 0.8).
+
+Latency rows (`lookup_keys`, `local_hit_us`, `remote_hit_ms`, `remote_miss_ms`):
+the p50 of a lookup that hits locally, of the time from a lookup that goes
+remote to the one that hits (blocks A stored, 64 KiB each), and of a lookup
+of absent keys to its count.
+
+Trace rows (`trace`, `hosts`, `remote`, `hit_rate`): the conversation trace
+(`kvd_tools.bench.conversation`, or `--trace`), each request on one of the two
+daemons at random (seeded): look up its blocks, then store the blocks it
+missed; hit rate = leading hits / blocks, with each host's pool alone
+(`remote` False) and with the remote tier (True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
+from kvd_tools.redis_launcher import RedisServer, available
+
+CHUNK_BYTES = 16 << 20
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _daemon(url: str | None, **flags: str) -> DaemonProcess:
+    base = {**PRIVATE_FLAGS, "max-total-bytes": "8GiB"}
+    if url:
+        base.update({"remote-url": url, "remote-write-max-bytes": "2GiB",
+                     "remote-fetch-max-bytes": "2GiB", "remote-timeout-ms": "5000"})  # fmt: skip
+    base.update(flags)
+    return DaemonProcess(base=base).start()
+
+
+def _wait(what: str, check: Any, timeout: float = 300.0, poll: float = 0.001) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            from kvd_tools.bench.suites import SuiteError
+
+            raise SuiteError(f"timed out waiting for {what}")
+        time.sleep(poll)
+    return time.monotonic() - start
+
+
+def _counter(s: Any, name: str) -> int:
+    return int(s.stats().counters.get(name, 0))
+
+
+def _store(s: Any, keys: list[bytes], fill: bool = True) -> None:
+    """prepare_store, the bytes into the slots through our own mapping, complete_store."""
+    from kvd_client.worker import Mapping
+
+    assert s.attached is not None
+    mapping = Mapping(s.attached, replicated=False) if fill else None
+    row = s.attached.row_bytes
+    step = max(1, min(4096, CHUNK_BYTES // row))
+    for first in range(0, len(keys), step):
+        batch = keys[first : first + step]
+        out = s.prepare_store(batch)
+        if out is None and not fill:
+            return  # a replayed request longer than the pool: not stored, as an engine would
+        if out is None:
+            from kvd_tools.bench.suites import SuiteError
+
+            raise SuiteError("the pool did not take the blocks")
+        if mapping is not None:
+            for k, slot in zip(out.keys_to_store, out.store_spec.slots, strict=True):
+                mapping.mm[slot * row : slot * row + len(k)] = k  # a mark of the block
+        s.complete_store(out.keys_to_store)
+    if mapping is not None:
+        mapping.close()
+
+
+def _fetch_rows(url: str, a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace) -> list[dict[str, Any]]:
+    import redis
+
+    from kvd.io.remote_value import layout_fingerprint, remote_key
+    from kvd_client import Layout, Scheduler
+    from kvd_client.geometry import Geometry
+
+    host, _, port = url.removeprefix("redis://").partition(":")
+    client = redis.Redis(host=host, port=int(port.split("/")[0]))
+    rows = []
+    for value_bytes in args.value_bytes:
+        n = max(1, (args.fetch_mib << 20) // value_bytes)
+        layout = Layout(f"bench-remote-{value_bytes}", "bfloat16", 16, 1, False, value_bytes)
+        keys = [f"fetch/{value_bytes}/{i}".encode() for i in range(n)]
+        cap = n * value_bytes + (1 << 20)
+        _log(f"remote: {n} blocks of {value_bytes} bytes stored on A ...")
+        with Scheduler("fetch", layout, engine_id="bench-a", endpoint=a.endpoint,
+                       capacity_bytes=cap, timeout_ms=60_000) as sa:  # fmt: skip
+            base = _counter(sa, "remote.blocks_written")
+            _store(sa, keys)
+            _wait("the write-behind", lambda: _counter(sa, "remote.blocks_written") >= base + n,
+                  poll=0.05)  # fmt: skip
+            assert sa.attached is not None
+            g = Geometry(sa.attached.num_blocks, sa.attached.row_bytes, sa.attached.slot_bytes,
+                         sa.attached.num_slots, sa.attached.slot_stride, False)  # fmt: skip
+        names = [remote_key("kvd", layout_fingerprint(layout, g), k) for k in keys]
+        per_pipe = max(1, CHUNK_BYTES // value_bytes)
+        bare, fetch = [], []
+        for rnd in range(args.rounds):
+            t0 = time.perf_counter()
+            got = 0
+            for first in range(0, n, per_pipe):
+                pipe = client.pipeline(transaction=False)
+                for name in names[first : first + per_pipe]:
+                    pipe.get(name)
+                got += sum(len(v) for v in pipe.execute())
+            bare.append(got / (time.perf_counter() - t0) / 1e9)
+            with Scheduler(f"fetch{rnd}", layout, engine_id="bench-b", endpoint=b.endpoint,
+                           capacity_bytes=cap, timeout_ms=60_000) as sb:  # fmt: skip
+                t0 = time.perf_counter()
+                if sb.lookup(keys) is not None:
+                    from kvd_tools.bench.suites import SuiteError
+
+                    raise SuiteError("B's first lookup did not go to the remote tier")
+                _wait("the fetch", lambda sb=sb: sb.lookup(keys) == n)
+                fetch.append(got / (time.perf_counter() - t0) / 1e9)
+            _drop(b, f"fetch{rnd}")
+            _log(f"remote: {value_bytes} B round {rnd}: bare {bare[-1]:.2f} GB/s, "
+                 f"kvd {fetch[-1]:.2f} GB/s")  # fmt: skip
+        _drop(a, "fetch")
+        fetch_gbps, bare_gbps = statistics.median(fetch), statistics.median(bare)
+        rows.append({"value_bytes": value_bytes, "blocks": n, "fetch_gbps": round(fetch_gbps, 3),
+                     "bare_get_gbps": round(bare_gbps, 3),
+                     "ratio": round(fetch_gbps / bare_gbps, 3)})  # fmt: skip
+    client.close()
+    return rows
+
+
+def _drop(d: DaemonProcess, pool: str) -> None:
+    from kvd_client import protocol as p
+    from kvd_client.connection import Connection
+
+    conn = Connection(d.endpoint, role="admin", keeper=False)
+    conn.connect()
+    try:
+        conn.call(p.DropPool, pool, d.admin_token)
+    finally:
+        conn.close()
+
+
+def _latency_rows(a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvd_client import Layout, Scheduler
+
+    layout = Layout("bench-remote-latency", "bfloat16", 16, 1, False, 64 << 10)
+    rows = []
+    with Scheduler("lat", layout, engine_id="bench-a", endpoint=a.endpoint,
+                   capacity_bytes=256 << 20) as sa, Scheduler(
+        "lat", layout, engine_id="bench-b", endpoint=b.endpoint, capacity_bytes=256 << 20
+    ) as sb:  # fmt: skip
+        for nkeys in args.lookup_keys:
+            local, remote, miss = [], [], []
+            for t in range(args.trials):
+                keys = [f"lat/{nkeys}/{t}/{i}".encode() for i in range(nkeys)]
+                base = _counter(sa, "remote.blocks_written")
+                _store(sa, keys)
+                _wait("the write-behind",
+                      lambda: _counter(sa, "remote.blocks_written") >= base + nkeys)  # fmt: skip
+                t0 = time.perf_counter()
+                assert sa.lookup(keys) == nkeys
+                local.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                first = sb.lookup(keys)
+                _wait("the remote hit", lambda keys=keys: sb.lookup(keys) == nkeys, poll=0.0002)
+                if first is None:
+                    remote.append(time.perf_counter() - t0)
+                absent = [f"absent/{nkeys}/{t}/{i}".encode() for i in range(nkeys)]
+                t0 = time.perf_counter()
+                _wait("the miss", lambda absent=absent: sb.lookup(absent) == 0, poll=0.0002)
+                miss.append(time.perf_counter() - t0)
+            rows.append({"lookup_keys": nkeys,
+                         "local_hit_us": round(statistics.median(local) * 1e6, 1),
+                         "remote_hit_ms": round(statistics.median(remote) * 1e3, 3),
+                         "remote_miss_ms": round(statistics.median(miss) * 1e3, 3)})  # fmt: skip
+    return rows
+
+
+def _replay(requests: list[list[int]], hosts: list[DaemonProcess], capacity: int,
+            seed: int) -> float:  # fmt: skip
+    from kvd_client import Layout, Scheduler
+
+    layout = Layout("bench-remote-trace", "bfloat16", 512, 1, False, 4096)
+    rng = random.Random(seed)
+    scheds = [Scheduler("trace", layout, engine_id=f"bench-{i}", endpoint=h.endpoint,
+                        capacity_bytes=capacity * 4096, timeout_ms=60_000)
+              for i, h in enumerate(hosts)]  # fmt: skip
+    hits = total = 0
+    try:
+        for ids in requests:
+            s = scheds[rng.randrange(len(scheds))]
+            keys = [i.to_bytes(8, "big") for i in ids]
+            found: int | None = None
+            deadline = time.monotonic() + 10
+            while found is None and time.monotonic() < deadline:
+                found = s.lookup(keys)
+                if found is None:
+                    time.sleep(0.0005)
+            found = found or 0
+            hits += found
+            total += len(keys)
+            if found < len(keys):
+                _store(s, keys[found:], fill=False)
+    finally:
+        for s in scheds:
+            s.close()
+    return hits / max(1, total)
+
+
+def _trace_rows(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvd_tools.bench.conversation import conversation
+    from kvd_tools.bench.replay import load_trace
+
+    if args.trace:
+        requests, name = load_trace(Path(args.trace)), Path(args.trace).name
+    else:
+        requests, name = conversation(seed=1, num_requests=args.requests), "conversation"
+    requests = requests[: args.requests]
+    rows = []
+    for remote in (False, True):
+        hosts = [_daemon(url if remote else None) for _ in range(2)]
+        try:
+            _log(f"remote: replaying {len(requests)} requests on 2 hosts, remote tier {remote}")
+            rate = _replay(requests, hosts, args.capacity, seed=7)
+        finally:
+            for h in hosts:
+                h.stop()
+        rows.append({"trace": name, "hosts": 2, "capacity_blocks": args.capacity,
+                     "remote": remote, "hit_rate": round(rate, 4)})  # fmt: skip
+    return rows
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvd_tools.bench.suites import SuiteError
+
+    server = None
+    url = args.remote_url
+    if not url:
+        if not available():
+            raise SuiteError("redis-server is not installed: apt-get install redis-server, "
+                             "or pass --remote-url redis://host:port")  # fmt: skip
+        server = RedisServer(None, "--maxmemory", "0").start()
+        url = server.url
+    try:
+        rows: list[dict[str, Any]] = []
+        a, b = _daemon(url), _daemon(url)
+        try:
+            rows += _fetch_rows(url, a, b, args)
+            rows += _latency_rows(a, b, args)
+        finally:
+            a.stop()
+            b.stop()
+        if server is not None:
+            server.cli("flushall")
+        rows += _trace_rows(url, args)
+        return rows
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in rows:
+        if "fetch_gbps" in r:
+            out.append(f"{r['value_bytes']} B values: kvd fetches {r['fetch_gbps']} GB/s into "
+                       f"local slots, a bare GET {r['bare_get_gbps']} GB/s: {r['ratio']}x "
+                       "(goal >= 0.8)")  # fmt: skip
+        elif "remote_hit_ms" in r:
+            out.append(f"{r['lookup_keys']} keys: a local hit {r['local_hit_us']} us; from a "
+                       f"lookup that goes remote to the hit {r['remote_hit_ms']} ms; "
+                       f"a remote miss {r['remote_miss_ms']} ms")  # fmt: skip
+    trace = {r["remote"]: r["hit_rate"] for r in rows if "hit_rate" in r}
+    if len(trace) == 2:
+        out.append(f"two hosts, trace hit rate: each host alone {trace[False]}, with the remote "
+                   f"tier {trace[True]}")  # fmt: skip
+    return out
