@@ -121,14 +121,10 @@ class RedisClusterProcesses:
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvd-rcluster"))
         self.replicas = replicas
+        flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", str(node_timeout_ms)]  # fmt: skip
         self.nodes = [
-            RedisServer(
-                None,
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(node_timeout_ms),
-                workdir=self.dir / str(i),
-            )  # fmt: skip
+            RedisServer(None, *flags, workdir=self.dir / str(i))
             for i in range(masters * (1 + replicas))
         ]
 

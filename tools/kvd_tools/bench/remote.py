@@ -68,6 +68,14 @@ def _counter(s: Any, name: str) -> int:
     return int(s.stats().counters.get(name, 0))
 
 
+def _wait_written(s: Any, at_least: int) -> None:
+    _wait("the write-behind", lambda: _counter(s, "remote.blocks_written") >= at_least, poll=0.02)
+
+
+def _wait_hits(s: Any, keys: list[bytes], hits: int, poll: float = 0.001) -> None:
+    _wait(f"{hits} hits", lambda: s.lookup(keys) == hits, poll=poll)
+
+
 def _store(s: Any, keys: list[bytes], fill: bool = True) -> None:
     """prepare_store, the bytes into the slots through our own mapping, complete_store."""
     from kvd_client.worker import Mapping
@@ -93,7 +101,9 @@ def _store(s: Any, keys: list[bytes], fill: bool = True) -> None:
         mapping.close()
 
 
-def _fetch_rows(url: str, a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _fetch_rows(
+    url: str, a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     import redis
 
     from kvd.io.remote_value import layout_fingerprint, remote_key
@@ -113,8 +123,7 @@ def _fetch_rows(url: str, a: DaemonProcess, b: DaemonProcess, args: argparse.Nam
                        capacity_bytes=cap, timeout_ms=60_000) as sa:  # fmt: skip
             base = _counter(sa, "remote.blocks_written")
             _store(sa, keys)
-            _wait("the write-behind", lambda: _counter(sa, "remote.blocks_written") >= base + n,
-                  poll=0.05)  # fmt: skip
+            _wait_written(sa, base + n)
             assert sa.attached is not None
             g = Geometry(sa.attached.num_blocks, sa.attached.row_bytes, sa.attached.slot_bytes,
                          sa.attached.num_slots, sa.attached.slot_stride, False)  # fmt: skip
@@ -137,7 +146,7 @@ def _fetch_rows(url: str, a: DaemonProcess, b: DaemonProcess, args: argparse.Nam
                     from kvd_tools.bench.suites import SuiteError
 
                     raise SuiteError("B's first lookup did not go to the remote tier")
-                _wait("the fetch", lambda sb=sb: sb.lookup(keys) == n)
+                _wait_hits(sb, keys, n)
                 fetch.append(got / (time.perf_counter() - t0) / 1e9)
             _drop(b, f"fetch{rnd}")
             _log(f"remote: {value_bytes} B round {rnd}: bare {bare[-1]:.2f} GB/s, "
@@ -163,7 +172,9 @@ def _drop(d: DaemonProcess, pool: str) -> None:
         conn.close()
 
 
-def _latency_rows(a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace) -> list[dict[str, Any]]:
+def _latency_rows(
+    a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace
+) -> list[dict[str, Any]]:
     from kvd_client import Layout, Scheduler
 
     layout = Layout("bench-remote-latency", "bfloat16", 16, 1, False, 64 << 10)
@@ -178,19 +189,18 @@ def _latency_rows(a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace) 
                 keys = [f"lat/{nkeys}/{t}/{i}".encode() for i in range(nkeys)]
                 base = _counter(sa, "remote.blocks_written")
                 _store(sa, keys)
-                _wait("the write-behind",
-                      lambda: _counter(sa, "remote.blocks_written") >= base + nkeys)  # fmt: skip
+                _wait_written(sa, base + nkeys)
                 t0 = time.perf_counter()
                 assert sa.lookup(keys) == nkeys
                 local.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 first = sb.lookup(keys)
-                _wait("the remote hit", lambda keys=keys: sb.lookup(keys) == nkeys, poll=0.0002)
+                _wait_hits(sb, keys, nkeys, poll=0.0002)
                 if first is None:
                     remote.append(time.perf_counter() - t0)
                 absent = [f"absent/{nkeys}/{t}/{i}".encode() for i in range(nkeys)]
                 t0 = time.perf_counter()
-                _wait("the miss", lambda absent=absent: sb.lookup(absent) == 0, poll=0.0002)
+                _wait_hits(sb, absent, 0, poll=0.0002)
                 miss.append(time.perf_counter() - t0)
             rows.append({"lookup_keys": nkeys,
                          "local_hit_us": round(statistics.median(local) * 1e6, 1),

@@ -341,22 +341,60 @@ def _lookup_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _remote_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--remote-url", default="", metavar="URL",
-                   help="an existing redis://host:port to use (default: a private redis-server)")
-    p.add_argument("--value-bytes", type=positive_ints, default=[256 << 10, 2 << 20],
-                   metavar="N,...", help="block sizes fetched (default: 262144,2097152)")
-    p.add_argument("--fetch-mib", type=positive_int, default=256, metavar="N",
-                   help="MiB of blocks fetched per size and round (default: 256)")
-    p.add_argument("--rounds", type=positive_int, default=3, metavar="N",
-                   help="interleaved bare-GET and kvd rounds (default: 3)")
-    p.add_argument("--lookup-keys", type=positive_ints, default=[1, 16], metavar="N,...",
-                   help="keys per lookup for the latency rows (default: 1,16)")
-    p.add_argument("--trials", type=positive_int, default=20, metavar="N",
-                   help="lookups timed per latency row (default: 20)")
-    p.add_argument("--trace", default="", metavar="PATH",
-                   help="a Mooncake-format trace (default: the conversation trace)")
-    p.add_argument("--requests", type=positive_int, default=3000, metavar="N",
-                   help="requests replayed on the two hosts (default: 3000)")
+    p.add_argument(
+        "--remote-url",
+        default="",
+        metavar="URL",
+        help="an existing redis://host:port to use (default: a private redis-server)",
+    )
+    p.add_argument(
+        "--value-bytes",
+        type=positive_ints,
+        default=[256 << 10, 2 << 20],
+        metavar="N,...",
+        help="block sizes fetched (default: 262144,2097152)",
+    )
+    p.add_argument(
+        "--fetch-mib",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="MiB of blocks fetched per size and round (default: 256)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="interleaved bare-GET and kvd rounds (default: 3)",
+    )
+    p.add_argument(
+        "--lookup-keys",
+        type=positive_ints,
+        default=[1, 16],
+        metavar="N,...",
+        help="keys per lookup for the latency rows (default: 1,16)",
+    )
+    p.add_argument(
+        "--trials",
+        type=positive_int,
+        default=20,
+        metavar="N",
+        help="lookups timed per latency row (default: 20)",
+    )
+    p.add_argument(
+        "--trace",
+        default="",
+        metavar="PATH",
+        help="a Mooncake-format trace (default: the conversation trace)",
+    )
+    p.add_argument(
+        "--requests",
+        type=positive_int,
+        default=3000,
+        metavar="N",
+        help="requests replayed on the two hosts (default: 3000)",
+    )
     p.add_argument("--capacity", type=positive_int, default=2000, metavar="N",
                    help="blocks each host's pool holds in the replay (default: 2000)")  # fmt: skip
 
