@@ -13,8 +13,9 @@ Read-through, for a `Lookup` whose leading local hits end at a miss:
               under the fetch's own owner: not ready, so lookups still
               answer None); a key the store lacks is not asked for again
               for `remote_miss_ms`
-    fetch  -> GET in pipelined chunks; each value is checked (header, key,
-              length, CRC-32C) and only then copied into its slot
+    fetch  -> GET in pipelined chunks; each value's header, key and length
+              are checked, its row copied into its slot with its CRC-32C
+              computed on the way; a block whose checksum fails is freed
     done   -> the verified blocks become ready (one stored event, as for any
               store); the rest are freed and counted
 
@@ -34,6 +35,7 @@ never queued. Blocks fetched from the tier are not written back.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -46,10 +48,11 @@ from typing import TYPE_CHECKING
 from kvd.config import Config
 from kvd.errors import KvdError
 from kvd.io.remote_store import Link, RemoteDown, RemoteStore, RemoteThread
-from kvd.io.remote_value import BadValue, decode_value, encode_value, remote_key
+from kvd.io.remote_value import BadValue, copy_value, encode_value, remote_key
 
 if TYPE_CHECKING:
     from kvd.control.pools import Pool, PoolRegistry
+    from kvd.io.region import Rows
 
 log = logging.getLogger("kvd.control.remote")
 MAX_MISSES = 200_000  # keys remembered as absent from the remote tier
@@ -92,7 +95,7 @@ class Fetch:
     keys: list[bytes]  # probed; after `probed`, the keys given slots
     deadline: float  # monotonic: the loop gives up past it (moved on by progress)
     slots: list[int] = field(default_factory=list)
-    rows: memoryview | None = None
+    rows: Rows | None = None
     # Shared with the thread, under `lock`:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stood: bool = True  # False once the loop gave it up: the thread copies no more
@@ -146,7 +149,7 @@ class RemoteTier:
         self._fetches: dict[int, Fetch] = {}
         self._writes: dict[int, Write] = {}
         self._misses: OrderedDict[tuple[str, bytes], float] = OrderedDict()
-        self._rows: dict[tuple[str, int], memoryview] = {}
+        self._rows: dict[tuple[str, int], Rows] = {}
         self._pinging = False
         self._pinged_at = 0.0
 
@@ -248,8 +251,9 @@ class RemoteTier:
 
     def _get(self, store: RemoteStore, fetch: Fetch) -> Callable[[], None]:
         """On the fetch thread: the values, checked, copied into their slots."""
-        rows, row_bytes, prefix = fetch.rows, fetch.row_bytes, self.config.remote_prefix
-        assert rows is not None
+        row_bytes, prefix = fetch.row_bytes, self.config.remote_prefix
+        assert fetch.rows is not None
+        rows = fetch.rows.view()
         per_chunk = max(1, CHUNK_BYTES // row_bytes)
         bad = nbytes = 0
         error = ""
@@ -265,18 +269,17 @@ class RemoteTier:
                 if value is None:
                     continue  # gone since the probe (expired or evicted there)
                 nbytes += len(value)
-                try:
-                    row = decode_value(value, key, row_bytes)
-                except BadValue as exc:
-                    bad += 1
-                    log.info("event=remote_value_refused pool=%s key=%s reason=%s",
-                             fetch.pool, key.hex(), exc)  # fmt: skip
-                    continue
                 offset = slot * row_bytes
-                with fetch.lock:
+                with fetch.lock:  # copied and checked in one pass, into its own slot
                     if not fetch.stood:
                         return lambda: None
-                    rows[offset : offset + row_bytes] = row
+                    try:
+                        copy_value(rows[offset : offset + row_bytes], value, key, row_bytes)
+                    except BadValue as exc:
+                        bad += 1
+                        log.info("event=remote_value_refused pool=%s key=%s reason=%s",
+                                 fetch.pool, key.hex(), exc)  # fmt: skip
+                        continue
                     fetch.copied.append(key)
                     fetch.progress = time.monotonic()
         return lambda: self._fetched(fetch, bad, nbytes, error)
@@ -368,9 +371,10 @@ class RemoteTier:
         self.writer.submit(lambda store: self._put(store, write, rows, row_bytes, fingerprint))
 
     def _put(
-        self, store: RemoteStore, write: Write, rows: memoryview, row_bytes: int, fp: str
+        self, store: RemoteStore, write: Write, mapped: Rows, row_bytes: int, fp: str
     ) -> Callable[[], None]:
         """On the write thread: each pinned row, with its header, in one SET."""
+        rows = mapped.view()
         prefix, ttl = self.config.remote_prefix, self.config.remote_ttl_s
         per_chunk = max(1, CHUNK_BYTES // row_bytes)
         written = 0
@@ -415,12 +419,20 @@ class RemoteTier:
             self._pinging = True
             self._pinged_at = now
             self.fetcher.submit(self._ping)
+        for pool in self.pools:  # a new pool's rows are mapped off the loop, ahead of use
+            if (pool.name, pool.generation) not in self._rows:
+                self.writer.submit(functools.partial(self._mapped, self._rows_of(pool)))
         for name, generation in list(self._rows):  # a dropped pool's pages go with its map
-            pool = self.pools.find(name)
-            if pool is None or pool.generation != generation:
+            live = self.pools.find(name)
+            if live is None or live.generation != generation:
                 del self._rows[(name, generation)]
         self.counters["remote.connected"] = int(self.link.up)
         self.counters["remote.write_bytes_in_flight"] = self.write_bytes
+
+    @staticmethod
+    def _mapped(rows: Rows, store: RemoteStore) -> Callable[[], None]:
+        rows.view()
+        return lambda: None
 
     def _ping(self, store: RemoteStore) -> Callable[[], None]:
         try:
@@ -432,7 +444,7 @@ class RemoteTier:
     def _pinged(self) -> None:
         self._pinging = False
 
-    def _rows_of(self, pool: Pool) -> memoryview:
+    def _rows_of(self, pool: Pool) -> Rows:
         key = (pool.name, pool.generation)
         rows = self._rows.get(key)
         if rows is None:

@@ -132,6 +132,32 @@ def segment_mode(gid: int | None) -> int:
     return 0o660 if gid is not None else 0o600
 
 
+class Rows:
+    """A pool's rows (from `data_offset` on), mapped read-write on the first `view()`,
+    with every page populated up front (a copy into pages this mapping never
+    touched costs four times as much here). `view()` runs on the remote tier's
+    threads, never on the event loop: populating takes 0.2 s per GiB. The
+    mapping goes when the last view of it does, so a thread that still holds
+    one after the pool was dropped writes to pages no one else maps."""
+
+    def __init__(self, name: str, size: int, data_offset: int) -> None:
+        self.name, self.size, self.data_offset = name, size, data_offset
+        self._lock = threading.Lock()
+        self._view: memoryview | None = None
+
+    def view(self) -> memoryview:
+        with self._lock:
+            if self._view is None:
+                shm = posix_ipc.SharedMemory(self.name)
+                try:
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    mm = mmap.mmap(shm.fd, self.size, flags=flags)
+                finally:
+                    shm.close_fd()
+                self._view = memoryview(mm)[self.data_offset :]
+            return self._view
+
+
 class SharedRegion:
     """A pool's segment. Owns the name (unlinked on close), a prefault mapping, and
     the mapped header and slot table (`table`)."""
@@ -248,17 +274,10 @@ class SharedRegion:
         """Whether the prefault thread is still allocating pages."""
         return self._prefaulter is not None and self._prefaulter.is_alive()
 
-    def rows(self) -> memoryview:
-        """The pool's rows (from `data_offset` on), mapped read-write for the remote
-        tier, which alone reads and writes block data in the daemon. The mapping
-        is unmapped when the last view of it goes (a thread may still hold one
-        after the pool is dropped: it then writes to pages no one maps)."""
-        shm = posix_ipc.SharedMemory(self.name)
-        try:
-            mm = mmap.mmap(shm.fd, self.header.size_bytes)
-        finally:
-            shm.close_fd()
-        return memoryview(mm)[self.header.data_offset :]
+    def rows(self) -> Rows:
+        """The pool's rows, for the remote tier, which alone reads and writes block
+        data in the daemon (mapped on first use, by the thread that uses them)."""
+        return Rows(self.name, self.header.size_bytes, self.header.data_offset)
 
     def _unlink(self) -> None:
         try:

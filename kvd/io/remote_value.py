@@ -104,8 +104,9 @@ def encode_value(key: bytes, row: bytes | bytearray | memoryview) -> bytearray:
     return value
 
 
-def decode_value(value: bytes, key: bytes, row_bytes: int) -> memoryview:
-    """The row inside `value`, after checking it is block `key` of `row_bytes` bytes."""
+def _open(value: bytes, key: bytes, row_bytes: int) -> tuple[memoryview, int, int]:
+    """Checks all but the checksum: the row, the CRC of what comes before it, the
+    CRC the header says."""
     if len(value) < HEADER_BYTES:
         raise BadValue(f"{len(value)} bytes: shorter than a header")
     magic, version, key_len, row_len, crc = VALUE_HEADER.unpack_from(value)
@@ -121,7 +122,26 @@ def decode_value(value: bytes, key: bytes, row_bytes: int) -> memoryview:
     view = memoryview(value)
     if bytes(view[HEADER_BYTES:start]) != key:
         raise BadValue("the value holds another block")
-    row = view[start:]
-    if crc32c(row, crc32c(key, crc32c(view[:_CRC_COVERS]))) != crc:
+    return view[start:], crc32c(key, crc32c(view[:_CRC_COVERS])), crc
+
+
+def decode_value(value: bytes, key: bytes, row_bytes: int) -> memoryview:
+    """The row inside `value`, after checking it is block `key` of `row_bytes` bytes."""
+    row, head_crc, crc = _open(value, key, row_bytes)
+    if crc32c(row, head_crc) != crc:
         raise BadValue("checksum mismatch")
     return row
+
+
+def copy_value(dst: memoryview, value: bytes, key: bytes, row_bytes: int) -> None:
+    """Copies the row of `value` into `dst` (its slot) and checks it on the way,
+    in one pass: `BadValue` if it is not block `key`, in which case `dst` holds
+    bytes no one may read (the caller frees the slot; it never becomes ready)."""
+    row, head_crc, crc = _open(value, key, row_bytes)
+    if _native is not None:
+        got = _native.copy_crc32c(dst, row, head_crc)
+    else:
+        got = crc32c(row, head_crc)
+        dst[:] = row
+    if got != crc:
+        raise BadValue("checksum mismatch")
