@@ -101,6 +101,7 @@ class Fetch:
     stood: bool = True  # False once the loop gave it up: the thread copies no more
     copied: list[bytes] = field(default_factory=list)  # verified and in their slots
     progress: float = 0.0  # monotonic, of the last block copied
+    parts: int = 0  # fetch threads still getting its values (loop only)
 
     @property
     def owner(self) -> tuple[str, int]:
@@ -130,14 +131,15 @@ class RemoteTier:
         config: Config,
         pools: PoolRegistry,
         counters: Counter[str],
-        fetcher: RemoteThread,
+        fetchers: Sequence[RemoteThread],
         writer: RemoteThread,
         link: Link,
     ) -> None:
         self.config = config
         self.pools = pools
         self.counters = counters
-        self.fetcher = fetcher
+        self.fetchers = list(fetchers)  # the first also probes and pings
+        self.fetcher = self.fetchers[0]
         self.writer = writer
         self.link = link
         self.timeout_s = config.remote_timeout_ms / 1000
@@ -247,17 +249,29 @@ class RemoteTier:
         fetch.keys, fetch.slots = list(out.keys_to_store), list(out.store_spec.slots)
         fetch.rows = self._rows_of(pool)
         fetch.deadline = now + self.timeout_s
-        self.fetcher.submit(lambda store: self._get(store, fetch))
+        # The chunks in turn to each fetch thread, each on its own connection:
+        # one receives while another checks and copies.
+        n = min(len(self.fetchers), -(-len(fetch.keys) // self._per_chunk(fetch.row_bytes)))
+        fetch.parts = n
+        for part, thread in enumerate(self.fetchers[:n]):
+            thread.submit(functools.partial(self._get, fetch=fetch, part=part, parts=n))
 
-    def _get(self, store: RemoteStore, fetch: Fetch) -> Callable[[], None]:
-        """On the fetch thread: the values, checked, copied into their slots."""
+    @staticmethod
+    def _per_chunk(row_bytes: int) -> int:
+        return max(1, CHUNK_BYTES // row_bytes)
+
+    def _get(
+        self, store: RemoteStore, *, fetch: Fetch, part: int, parts: int
+    ) -> Callable[[], None]:
+        """On a fetch thread: chunks `part`, `part + parts`, ... of the fetch's values,
+        checked and copied into their slots."""
         row_bytes, prefix = fetch.row_bytes, self.config.remote_prefix
         assert fetch.rows is not None
         rows = fetch.rows.view()
-        per_chunk = max(1, CHUNK_BYTES // row_bytes)
+        per_chunk = self._per_chunk(row_bytes)
         bad = nbytes = 0
         error = ""
-        for start in range(0, len(fetch.keys), per_chunk):
+        for start in range(part * per_chunk, len(fetch.keys), parts * per_chunk):
             keys = fetch.keys[start : start + per_chunk]
             slots = fetch.slots[start : start + per_chunk]
             try:
@@ -289,7 +303,8 @@ class RemoteTier:
         self.counters["remote.bytes_read"] += nbytes
         if error:
             self.counters["remote.errors"] += 1
-        if fetch.stood:
+        fetch.parts -= 1
+        if fetch.stood and fetch.parts == 0:
             self._settle(fetch)
 
     def _give_up(self, fetch: Fetch) -> None:
@@ -458,5 +473,5 @@ class RemoteTier:
         for fetch in list(self._fetches.values()):
             with fetch.lock:
                 fetch.stood = False
-        self.fetcher.close(1.0)
-        self.writer.close(1.0)
+        for thread in [*self.fetchers, self.writer]:
+            thread.close(1.0)

@@ -80,6 +80,9 @@ class RemoteStore:
         common: dict[str, Any] = {
             "socket_timeout": self.timeout_s,
             "socket_connect_timeout": self.timeout_s,
+            # Replies are blocks of 256 KiB and more: read them in big pieces
+            # (redis-py's default is 32 KiB a read).
+            "socket_read_size": 1 << 20,
             "retry": Retry(NoBackoff(), 0),
             "username": t.username,
             "password": t.password,

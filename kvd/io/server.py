@@ -184,7 +184,9 @@ class Server:
             loop.call_soon_threadsafe(self._remote_done, done)
 
         timeout_s = cfg.remote_timeout_ms / 1000
-        fetcher, writer = (
+        # One fetch thread: a second one, on its own connection, fetched slower
+        # here (2 cores; the threads share the GIL for hiredis's parsing).
+        *fetchers, writer = (
             RemoteThread(f"kvd-remote-{role}", RemoteStore(target, timeout_s, link), post)
             for role in ("fetch", "write")
         )
@@ -196,7 +198,7 @@ class Server:
         )  # fmt: skip
         if not NATIVE_CRC:
             log.warning("event=remote_crc_slow reason=kvd_client._crc32c was not built")
-        return RemoteTier(cfg, self.pools, service.counters, fetcher, writer, link)
+        return RemoteTier(cfg, self.pools, service.counters, fetchers, writer, link)
 
     def _remote_done(self, done: Callable[[], None]) -> None:
         """A remote call's result, on the loop: its index work, then what follows."""
