@@ -80,6 +80,28 @@ _COUNTERS = (
     ("kvd_evictions", "Blocks evicted to make room.", "evictions"),
 )
 _STATES = ("ready", "in_flight", "pinned", "free")
+# The remote tier (SPEC 14), exported once it is configured (`remote.connected`
+# is then always in the counters): (metric, help, key).
+_REMOTE_COUNTERS = (
+    ("kvd_remote_probes", "Lookups that asked the remote tier for the keys after a miss.",
+     "remote.probes"),
+    ("kvd_remote_hits", "Blocks fetched from the remote tier, checked, and made ready.",
+     "remote.hits"),
+    ("kvd_remote_misses", "Probes that found no leading block in the remote tier.",
+     "remote.misses"),
+    ("kvd_remote_bad_values", "Remote values refused (format, key, length or checksum).",
+     "remote.bad_values"),
+    ("kvd_remote_fetch_failures", "Blocks given slots for a fetch that did not arrive whole.",
+     "remote.fetch_failures"),
+    ("kvd_remote_timeouts", "Fetches given up for making no progress within the timeout.",
+     "remote.timeouts"),
+    ("kvd_remote_blocks_written", "Blocks written to the remote tier.", "remote.blocks_written"),
+    ("kvd_remote_writes_skipped",
+     "Blocks not written: past the bytes-in-flight bound, pin cap, tier down, or evicted.",
+     "remote.writes_skipped"),
+    ("kvd_remote_errors", "Remote calls that failed (connection, timeout, server error).",
+     "remote.errors"),
+)  # fmt: skip
 
 
 class Metrics(Collector):
@@ -166,6 +188,8 @@ class Metrics(Collector):
             "kind",
             JOB_KINDS,
         )
+        if "remote.connected" in c:
+            yield from self._remote(c)
         yield CounterMetricFamily(
             "kvd_lease_expirations", "Sessions rolled back at lease expiry.", s.lease_expirations
         )
@@ -203,6 +227,26 @@ class Metrics(Collector):
             num_blocks.add_metric([p.name], p.num_blocks)
             sessions.add_metric([p.name], p.sessions)
         yield from (blocks, capacity, num_blocks, sessions)
+
+    @staticmethod
+    def _remote(c: dict[str, int]) -> Iterator[Metric]:
+        for name, text, key in _REMOTE_COUNTERS:
+            yield CounterMetricFamily(name, text, value=c.get(key, 0))
+        moved = CounterMetricFamily(
+            "kvd_remote_bytes", "Bytes of values moved to and from the remote tier.",
+            labels=["direction"],
+        )  # fmt: skip
+        moved.add_metric(["read"], c.get("remote.bytes_read", 0))
+        moved.add_metric(["written"], c.get("remote.bytes_written", 0))
+        yield moved
+        yield GaugeMetricFamily(
+            "kvd_remote_connected", "1 while the remote tier answers, else 0.",
+            c.get("remote.connected", 0),
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            "kvd_remote_write_bytes_in_flight", "Bytes the write-behind holds pinned now.",
+            c.get("remote.write_bytes_in_flight", 0),
+        )  # fmt: skip
 
     @staticmethod
     def _by_prefix(

@@ -90,6 +90,12 @@ def test_a_block_stored_on_one_host_is_loaded_on_another(hosts: Hosts, replicate
         assert c.get("remote.bad_values", 0) == 0
         # Fetched blocks are not written back.
         assert c.get("remote.blocks_written", 0) == 0
+        # ... and are announced as any stored block: BlockStored, medium CPU.
+        stored_events = [e for e in replayed_events(hosts.b.daemon)
+                         if e.get("type") == "BlockStored"]  # fmt: skip
+        announced = [h for e in stored_events if e.get("medium") == "CPU"
+                     for h in e["block_hashes"]]  # fmt: skip
+        assert set(keys) <= set(announced)
     finally:
         b.close()
 
@@ -112,6 +118,30 @@ def test_pools_of_other_layouts_never_see_the_blocks(hosts: Hosts) -> None:
         assert all(h in (None, 0) for h in seen)
     finally:
         b.close()
+
+
+def replayed_events(d: Any) -> list[dict[str, Any]]:
+    """Every event the daemon's replay socket holds, decoded as plain msgpack."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{d.runtime_dir}/replay.sock")
+    events: list[dict[str, Any]] = []
+    try:
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while True:
+            assert sock.poll(5000), "no end marker from the replay socket"
+            _, topic, _, payload = sock.recv_multipart()
+            if not topic:
+                return events
+            batch = msgspec.msgpack.decode(payload)
+            events += [e for e in batch[1] if isinstance(e, dict)]
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def plain_client(store: Any) -> Any:

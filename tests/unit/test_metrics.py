@@ -185,3 +185,34 @@ def test_registries_are_private() -> None:
 def test_bad_metrics_address(addr: str) -> None:
     with pytest.raises(ValueError, match="host:port"):
         Metrics().start_http(addr)
+
+
+def test_remote_tier_series_only_with_a_remote_tier() -> None:
+    m = Metrics()
+    m.update(stats(COUNTERS))
+    assert not any(name.startswith("kvd_remote") for name, _ in samples(m))
+    remote = {
+        "remote.connected": 1,
+        "remote.probes": 9,
+        "remote.hits": 40,
+        "remote.misses": 2,
+        "remote.bad_values": 3,
+        "remote.blocks_written": 50,
+        "remote.writes_skipped": 4,
+        "remote.errors": 1,
+        "remote.bytes_read": 1 << 22,
+        "remote.bytes_written": 1 << 23,
+        "remote.write_bytes_in_flight": 4096,
+    }
+    m.update(stats({**COUNTERS, **remote}))
+    assert value(m, "kvd_remote_connected") == 1
+    assert value(m, "kvd_remote_hits_total") == 40
+    assert value(m, "kvd_remote_misses_total") == 2
+    assert value(m, "kvd_remote_bad_values_total") == 3
+    assert value(m, "kvd_remote_blocks_written_total") == 50
+    assert value(m, "kvd_remote_writes_skipped_total") == 4
+    assert value(m, "kvd_remote_errors_total") == 1
+    assert value(m, "kvd_remote_timeouts_total") == 0  # known series start at 0
+    assert value(m, "kvd_remote_bytes_total", direction="read") == 1 << 22
+    assert value(m, "kvd_remote_bytes_total", direction="written") == 1 << 23
+    assert value(m, "kvd_remote_write_bytes_in_flight") == 4096
