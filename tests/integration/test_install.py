@@ -102,3 +102,10 @@ def test_help_without_the_tools_still_lists_them(hiding: dict[str, str]) -> None
     out = kvd(hiding, "--help")
     assert out.returncode == 0
     assert "bench" in out.stdout and "demo" in out.stdout and "kvd-tools" in out.stdout
+
+
+def test_the_daemon_imports_no_redis_without_a_remote_tier() -> None:
+    code = ("import sys, kvd.io.server, kvd.control.service, kvd.cli\n"
+            "assert 'redis' not in sys.modules, 'redis imported'\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
