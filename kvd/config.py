@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 import msgspec
 
@@ -52,12 +53,21 @@ _REMOTE_SCHEMES = {
 }
 
 
+def redact_url(url: str) -> str:
+    """`url` with its credentials (user:password@) replaced by ***, for messages."""
+    scheme, sep, rest = url.partition("://")
+    _, at, hosts = rest.rpartition("@")
+    return f"{scheme}{sep}***@{hosts}" if at else url
+
+
 def parse_remote_url(url: str) -> RemoteTarget:
-    """`remote_url` -> RemoteTarget; ValueError (saying what is wrong) otherwise."""
+    """`remote_url` -> RemoteTarget; ValueError (saying what is wrong, without the
+    URL's credentials) otherwise. Credentials may be percent-encoded."""
+    shown = redact_url(url)
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in _REMOTE_SCHEMES:
         raise ValueError(
-            f"{url!r}: use redis://host:port[/db], rediss://..., or "
+            f"{shown!r}: use redis://host:port[/db], rediss://..., or "
             "redis+cluster://host:port[,host:port...]"
         )
     cluster, tls = _REMOTE_SCHEMES[scheme]
@@ -68,14 +78,15 @@ def parse_remote_url(url: str) -> RemoteTarget:
     username = password = None
     if creds:
         user, colon, secret = creds.partition(":")
-        username, password = (user or None), (secret if colon else None)
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
     db = 0
     if slash and db_text:
         if not db_text.isdigit():
-            raise ValueError(f"{url!r}: database {db_text!r} is not a number")
+            raise ValueError(f"{shown!r}: database {db_text!r} is not a number")
         db = int(db_text)
         if cluster and db:
-            raise ValueError(f"{url!r}: a cluster has database 0 only")
+            raise ValueError(f"{shown!r}: a cluster has database 0 only")
     nodes = []
     for part in hosts.split(","):
         host, colon, port = part.strip().rpartition(":")
@@ -83,10 +94,10 @@ def parse_remote_url(url: str) -> RemoteTarget:
             host, port = part.strip(), "6379"
         host = host.strip("[]")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{url!r}: {part!r} is not host:port")
+            raise ValueError(f"{shown!r}: {part!r} is not host:port")
         nodes.append((host, int(port)))
     if not cluster and len(nodes) != 1:
-        raise ValueError(f"{url!r}: redis:// names one server; use redis+cluster:// for more")
+        raise ValueError(f"{shown!r}: redis:// names one server; use redis+cluster:// for more")
     return RemoteTarget(cluster=cluster, nodes=nodes, db=db, username=username,
                         password=password, tls=tls)  # fmt: skip
 

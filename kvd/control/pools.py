@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvd.config import Config
-from kvd.control.remote import ReadyTap
+from kvd.control.write_behind import ReadyTap
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
 from kvd.errors import BadRequest, LayoutMismatch, NoSuchPool, TooLarge
@@ -207,15 +207,9 @@ class PoolRegistry:
             raise TooLarge(f"cannot create a segment for pool {name!r}: names in use")
         index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
         pool = self._add(name, layout, geometry, generation, region, index, policy)
-        log.info(
-            "event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
-            name,
-            region.name,
-            geometry.num_blocks,
-            geometry.row_bytes,
-            geometry.size_bytes,
-            policy,
-        )
+        log.info("event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
+                 name, region.name, geometry.num_blocks, geometry.row_bytes, geometry.size_bytes,
+                 policy)  # fmt: skip
         return pool
 
     @staticmethod

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvd.config import RemoteTarget
 
@@ -31,8 +31,34 @@ BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
 
 
-class RemoteDown(Exception):
-    """The remote tier cannot be reached now (connecting, or backing off)."""
+class RemoteError(Exception):
+    """A remote call failed; the message says why (never with credentials)."""
+
+
+class RemoteDown(RemoteError):
+    """The remote tier cannot be reached now (connecting, backing off, a
+    connection or cluster error): the link goes down and the client is renewed."""
+
+
+class RemoteRefused(RemoteError):
+    """The server answered the call with an error (OOM under `noeviction`, a
+    wrong type, ...): that call failed; the link stays up."""
+
+
+def _is_down(exc: BaseException) -> bool:
+    """Whether `exc` says the connection (or the cluster's slot map) is bad,
+    rather than that the server refused one command."""
+    import redis.exceptions as rx
+
+    if isinstance(exc, rx.ConnectionError | rx.TimeoutError | OSError):
+        return True
+    down = tuple(
+        getattr(rx, name)
+        for name in ("ClusterError", "ClusterDownError", "SlotNotCoveredError",
+                     "MasterDownError", "TryAgainError", "MovedError", "AskError")
+        if hasattr(rx, name)
+    )  # fmt: skip
+    return isinstance(exc, down) or not isinstance(exc, rx.ResponseError)
 
 
 class Link:
@@ -129,18 +155,24 @@ class RemoteStore:
             build(pipe)
             out: list[Any] = pipe.execute(raise_on_error=True)
         except Exception as exc:
-            self._failed(exc)
-            raise RemoteDown(repr(exc)[:200]) from exc
+            self._raise(exc)
         return out
 
+    def _raise(self, exc: Exception) -> NoReturn:
+        if _is_down(exc):
+            self._failed(exc)
+            raise RemoteDown(repr(exc)[:200]) from exc
+        raise RemoteRefused(repr(exc)[:200]) from exc
+
     def ping(self) -> None:
-        """Connects if need be (after the backoff) and checks the store answers."""
+        """Connects if need be (after the backoff) and checks the store answers;
+        the link is up after it (the other thread's failure may have set it down)."""
         client = self._client if self._client is not None else self._connect()
         try:
             client.ping()
         except Exception as exc:
-            self._failed(exc)
-            raise RemoteDown(repr(exc)[:200]) from exc
+            self._raise(exc)
+        self.link.saw(True)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         def build(pipe: Any) -> None:
@@ -181,7 +213,7 @@ class RemoteThread:
     to `post`; a call that raises is logged and its loop part dropped."""
 
     def __init__(
-        self, name: str, store: RemoteStore, post: Callable[[Callable[[], None]], None]
+        self, name: str, store: RemoteStore, post: Callable[[Callable[[], None]], object]
     ) -> None:
         self.store = store
         self._post = post

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from typing import Any
 
 import zmq
 
-from kvd.config import Config, parse_remote_url
+from kvd.config import Config
 from kvd.control.pools import PoolRegistry
 from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
@@ -32,24 +31,12 @@ from kvd.io.events import EventPublisher
 from kvd.io.metrics import Metrics
 from kvd.io.notify import Notifier
 from kvd.io.region import Manifest, group_id
-from kvd.io.remote_store import Link, RemoteStore, RemoteThread
-from kvd.io.remote_value import NATIVE_CRC
+from kvd.io.token import write_admin_token
 from kvd.version import __version__
 from kvd_client.protocol import MAX_FRAME_BYTES, Layout
 from kvd_client.types import OffloadingEvent
 
 log = logging.getLogger("kvd.io.server")
-
-
-def write_admin_token(path: Path) -> str:
-    """A fresh operator token in `path`, readable by this user (and root) only."""
-    token = secrets.token_hex(16)
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # never reuse a file someone else may have made
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
 
 
 # Deferred policy work starts once the daemon has had no request for this long.
@@ -109,19 +96,16 @@ class Server:
             log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
         self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
         if cfg.remote_url:
-            self.service.remote = self._remote_tier()
+            loop = asyncio.get_running_loop()
+            self.service.remote = RemoteTier.start(
+                cfg, self.pools, self.service.counters,
+                lambda done: loop.call_soon_threadsafe(self._remote_done, done),
+            )  # fmt: skip
         for pc in cfg.pools:
             if pc.name in adopted:
                 continue
-            layout = Layout(
-                pc.model,
-                pc.dtype,
-                pc.block_tokens,
-                pc.world_size,
-                pc.replicated,
-                pc.slot_bytes,
-                pc.extra,
-            )
+            layout = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size, pc.replicated,
+                            pc.slot_bytes, pc.extra)  # fmt: skip
             self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
         self._ctx = zmq.Context()
         self.publisher = EventPublisher(
@@ -170,35 +154,6 @@ class Server:
             __version__,
             cfg.lease_ms,
         )
-
-    def _remote_tier(self) -> RemoteTier:
-        """The remote tier's two threads, each with its own connection (SPEC 14)."""
-        cfg, service = self.config, self.service
-        assert service is not None and self.pools is not None
-        target = parse_remote_url(cfg.remote_url)
-        where = ",".join(f"{h}:{p}" for h, p in target.nodes)
-        link = Link(where)
-        loop = asyncio.get_running_loop()
-
-        def post(done: Callable[[], None]) -> None:
-            loop.call_soon_threadsafe(self._remote_done, done)
-
-        timeout_s = cfg.remote_timeout_ms / 1000
-        # One fetch thread: a second one, on its own connection, fetched slower
-        # here (2 cores; the threads share the GIL for hiredis's parsing).
-        *fetchers, writer = (
-            RemoteThread(f"kvd-remote-{role}", RemoteStore(target, timeout_s, link), post)
-            for role in ("fetch", "write")
-        )
-        log.info(
-            "event=remote_tier remote=%s cluster=%s tls=%s timeout_ms=%d write_max_bytes=%d "
-            "native_crc=%s",
-            where, target.cluster, target.tls, cfg.remote_timeout_ms,
-            cfg.remote_write_max_bytes, NATIVE_CRC,
-        )  # fmt: skip
-        if not NATIVE_CRC:
-            log.warning("event=remote_crc_slow reason=kvd_client._crc32c was not built")
-        return RemoteTier(cfg, self.pools, service.counters, fetchers, writer, link)
 
     def _remote_done(self, done: Callable[[], None]) -> None:
         """A remote call's result, on the loop: its index work, then what follows."""
