@@ -173,7 +173,7 @@ def test_bad_values_are_misses_never_data(hosts: Hosts) -> None:
         values = [
             bytes(corrupt),  # one bit of the row flipped
             good[1][: len(good[1]) // 2],  # truncated
-            bytes(encode_value(b"someone-else", row)),  # another block's value
+            bytes(encode_value(keys[2][:-1] + b"X", row)),  # another block's (same length)
             bytes(encode_value(keys[3], row[: len(row) // 2])),  # a row of another size
             bytes(other_version),
         ]

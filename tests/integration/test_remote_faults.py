@@ -212,3 +212,92 @@ def test_a_cluster_master_failing_over_is_survived() -> None:
         finally:
             stop_host(a_host)
             stop_host(b_host)
+
+
+def admin_call(h: Host, cls: type, *args: object) -> object:
+    from kvd_client.connection import Connection
+
+    conn = Connection(h.daemon.endpoint, role="admin", keeper=False)
+    conn.connect()
+    try:
+        return conn.call(cls, *args, h.daemon.admin_token)
+    finally:
+        conn.close()
+
+
+def test_a_server_that_refuses_writes_is_not_a_tier_down() -> None:
+    """OOM under noeviction: the writes fail and are counted; the link stays up,
+    lookups still ask the tier, and writing resumes once there is room."""
+    with RedisServer(None, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as store:
+        a_host, b_host = start_host(store.url, tp=1), start_host(store.url, tp=1)
+        try:
+            a, b = Engine(a_host, "oom"), Engine(b_host, "oom")
+            try:
+                a.store(keys_of("refused"), seed=1)
+                wait_for("the failed writes",
+                         lambda: counters(a_host.daemon).get("remote.writes_failed", 0) > 0)  # fmt: skip
+                time.sleep(1.5)  # a tick or more: the state would have changed by now
+                c = counters(a_host.daemon)
+                assert c["remote.connected"] == 1 and c.get("remote.skipped_down", 0) == 0
+                assert settles(b.scheduler, keys_of("refused"))[0] == 0  # asked, absent
+                assert counters(b_host.daemon)["remote.probes"] >= 1
+                store.cli("config", "set", "maxmemory", "0")
+                keys = keys_of("after-room")
+                base = written(a_host)
+                stored = a.store(keys, seed=2)
+                wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+                fetch_all(b.scheduler, keys)
+                assert b.load(keys) == stored
+            finally:
+                a.close()
+                b.close()
+        finally:
+            stop_host(a_host)
+            stop_host(b_host)
+
+
+def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held(
+    standalone: tuple[RedisServer, Host, Host],
+) -> None:
+    from kvd_client import protocol as p
+
+    store, host_a, host_b = standalone
+    a = Engine(host_a, "busy")
+    try:
+        # A write in flight (the server stalled) when its pool is dropped.
+        sleeper = subprocess.Popen(["redis-cli", "-p", str(store.port), "debug", "sleep", "1.5"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            time.sleep(0.2)
+            a.store(keys_of("dropped"), seed=1)
+            wait_for("a write in flight",
+                     lambda: counters(host_a.daemon).get("remote.write_bytes_in_flight", 0) > 0)  # fmt: skip
+            admin_call(host_a, p.DropPool, "busy")
+        finally:
+            sleeper.wait(timeout=10)
+        wait_for("the write to settle",
+                 lambda: counters(host_a.daemon).get("remote.write_bytes_in_flight", 1) == 0)  # fmt: skip
+    finally:
+        a.close()
+    # The daemon writes on: a new pool of the same name.
+    a = Engine(host_a, "busy")
+    b = Engine(host_b, "busy")
+    try:
+        keys = keys_of("after-drop")
+        base = written(host_a)
+        a.store(keys, seed=2)
+        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        # A reset of B's pool while its fetch is under way: the reset waits for
+        # the fetch, then the pool is empty and consistent, and fetches again.
+        assert b.scheduler.lookup(keys) is None
+        admin_call(host_b, p.Reset, "busy")
+        wait_for("the reset",
+                 lambda: [pi.blocks_ready + pi.blocks_in_flight for pi in b.scheduler.stats().pools
+                          if pi.name == "busy"] == [0])  # fmt: skip
+        assert b.scheduler.check_invariants() == []
+        assert a.scheduler.check_invariants() == []
+        time.sleep(2.2)  # remote_miss_ms: a fetch the reset cut short counts as a miss
+        fetch_all(b.scheduler, keys)
+    finally:
+        a.close()
+        b.close()

@@ -44,6 +44,30 @@ def test_the_native_crc_across_its_stripes(size: int) -> None:
     assert rv.crc32c(data) == rv.crc32c_python(data)
 
 
+@pytest.mark.skipif(not rv.NATIVE_CRC, reason="kvd_client._crc32c is not built")
+@given(st.binary(max_size=200_000), st.integers(0, 2**32 - 1))
+def test_the_fused_copy_copies_and_checksums(data: bytes, start: int) -> None:
+    from kvd_client._crc32c import copy_crc32c
+
+    dst = bytearray(len(data) + 16)
+    view = memoryview(dst)[8 : 8 + len(data)]
+    assert copy_crc32c(view, data, start) == rv.crc32c_python(data, start)
+    assert bytes(view) == data and dst[:8] == bytes(8) and dst[-8:] == bytes(8)
+    with pytest.raises(ValueError):
+        copy_crc32c(memoryview(dst)[:3], b"abcd")
+
+
+def test_copy_value_fills_the_slot_and_refuses_a_bad_row() -> None:
+    row = bytes(range(256)) * 16
+    slot = bytearray(len(row))
+    rv.copy_value(memoryview(slot), bytes(rv.encode_value(b"k", row)), b"k", len(row))
+    assert bytes(slot) == row
+    bad = bytearray(rv.encode_value(b"k", row))
+    bad[-5] ^= 1
+    with pytest.raises(rv.BadValue, match="checksum"):
+        rv.copy_value(memoryview(bytearray(len(row))), bytes(bad), b"k", len(row))
+
+
 def test_a_value_round_trips() -> None:
     row = bytes(range(256)) * 32
     value = bytes(rv.encode_value(b"block-1", row))
@@ -116,6 +140,17 @@ def test_remote_urls() -> None:
                 "redis://a:1/x", "redis+cluster://a:1/3", "a:1"):  # fmt: skip
         with pytest.raises(ValueError):
             parse_remote_url(bad)
+
+
+def test_credentials_never_show_in_errors_and_may_be_percent_encoded() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_remote_url("redis://user:hunter2@cache:99999")
+    assert "hunter2" not in str(info.value) and "***@cache:99999" in str(info.value)
+    with pytest.raises(ConfigError) as cfg_info:
+        load_config(None, {"remote_url": "redis://:hunter2@cache:x", "runtime_dir": "/tmp/x"})
+    assert "hunter2" not in str(cfg_info.value)
+    assert parse_remote_url("redis://u%40x:p%3Aw@h:1").password == "p:w"
+    assert parse_remote_url("redis://u%40x:p%3Aw@h:1").username == "u@x"
 
 
 def test_a_bad_remote_url_is_one_config_error_naming_the_key() -> None:
