@@ -23,6 +23,8 @@ import pytest
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_tools.launcher import DaemonProcess
+from kvd_tools.redis_launcher import RedisServer
+from kvd_tools.redis_launcher import available as redis_available
 from kvd_tools.vllm_harness.driver import EngineProcess, stop_group
 from kvd_tools.vllm_harness.engine import TINY_DEEPSEEK, kv_transfer_config, write_model
 
@@ -293,3 +295,37 @@ def test_mla_under_tp2_stores_one_replicated_copy(
         assert info.blocks_ready >= 8
     finally:
         engine.stop()
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_a_prefix_computed_on_one_host_is_served_on_another_through_redis(
+    model: str, reference: list[list[int]]
+) -> None:
+    """Two daemons on one Redis stand for two hosts: vLLM on host B loads what
+    vLLM on host A computed, through kvd's remote tier (first RETRY, then hits)."""
+    with RedisServer() as store:
+        hosts = [DaemonProcess(lease_ms="3000", max_total_bytes="1GiB",
+                               remote_url=store.url).start() for _ in range(2)]  # fmt: skip
+        try:
+            a, b = hosts
+            first = start_engine(model, kvd_config(a))
+            try:
+                assert first.generate(PROMPTS) == reference
+            finally:
+                first.stop()
+            deadline = time.monotonic() + 15
+            while counters(a).get("remote.blocks_written", 0) < 8:
+                assert time.monotonic() < deadline, "the write-behind did not write the prefix"
+                time.sleep(0.1)
+            second = start_engine(model, kvd_config(b))
+            try:
+                assert second.generate(PROMPTS) == reference
+                got = counters_once_grown(b, {}, ("remote.hits", "loaded_blocks"))
+                assert got["remote.hits"] >= 8 and got["loaded_blocks"] >= 8
+                assert got.get("remote.bad_values", 0) == 0
+                assert loaded_bytes(second, 8 * PAGE_BYTES) >= 8 * PAGE_BYTES
+            finally:
+                second.stop()
+        finally:
+            for d in hosts:
+                d.stop()
