@@ -61,6 +61,11 @@ def _is_down(exc: BaseException) -> bool:
     return isinstance(exc, down) or not isinstance(exc, rx.ResponseError)
 
 
+def describe(exc: BaseException) -> str:
+    """One line for the log: redis-py 8's repr of its errors names only a category."""
+    return f"{type(exc).__name__}: {exc}"[:200]
+
+
 class Link:
     """Whether the remote tier answers, as the threads last saw it."""
 
@@ -146,7 +151,7 @@ class RemoteStore:
             except Exception as close_exc:  # a broken client may fail to close too
                 log.debug("event=remote_close_failed reason=%r", close_exc)
             self._client = None
-        self.link.saw(False, repr(exc)[:200])
+        self.link.saw(False, describe(exc))
 
     def _run(self, build: Callable[[Any], None]) -> list[Any]:
         client = self._client if self._client is not None else self._connect()
@@ -161,8 +166,8 @@ class RemoteStore:
     def _raise(self, exc: Exception) -> NoReturn:
         if _is_down(exc):
             self._failed(exc)
-            raise RemoteDown(repr(exc)[:200]) from exc
-        raise RemoteRefused(repr(exc)[:200]) from exc
+            raise RemoteDown(describe(exc)) from exc
+        raise RemoteRefused(describe(exc)) from exc
 
     def ping(self) -> None:
         """Connects if need be (after the backoff) and checks the store answers;
