@@ -185,10 +185,14 @@ def test_a_cluster_master_failing_over_is_survived() -> None:
                 wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
                 fetch_all(b.scheduler, before)
 
-                cluster.masters()[0].kill()  # its replica takes its slots over
+                dead = cluster.masters()[0]
+                dead.kill()  # its replica takes its slots over
                 for _ in range(20):
                     assert timed_lookup(a.scheduler, before) == BLOCKS
-                cluster.wait_ok()
+                cluster.wait_failed_over(dead)
+                for h in (a_host, b_host):  # each daemon reads the new slot map on its own
+                    wait_for("a reconnect", lambda h=h: counters(h.daemon).get(
+                        "remote.connected") == 1, timeout=30)  # fmt: skip
                 # A write that met the dead master is lost (written once, never
                 # retried); stores after the failover reach the new master.
                 for attempt in range(20):
@@ -202,7 +206,9 @@ def test_a_cluster_master_failing_over_is_survived() -> None:
                     except AssertionError:
                         continue
                 else:
-                    raise AssertionError("no write reached the cluster after the failover")
+                    log = [line for line in a_host.daemon.log().splitlines() if "remote" in line]
+                    raise AssertionError("no write reached the cluster after the failover:\n"
+                                         + "\n".join(log[-20:]))  # fmt: skip
                 wait_for("the fetch after the failover",
                          lambda: b.scheduler.lookup(keys) == BLOCKS, timeout=20)  # fmt: skip
                 assert b.load(keys) == stored
@@ -256,48 +262,54 @@ def test_a_server_that_refuses_writes_is_not_a_tier_down() -> None:
             stop_host(b_host)
 
 
-def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held(
-    standalone: tuple[RedisServer, Host, Host],
-) -> None:
+def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held() -> None:
+    """A write in flight when its pool is dropped, a fetch under way when its pool
+    is reset: nothing stays pinned or in flight, and the daemons go on. Writes
+    are held with CLIENT PAUSE (the server takes them once unpaused), so the
+    timing does not depend on how fast this machine stores."""
     from kvd_client import protocol as p
 
-    store, host_a, host_b = standalone
-    a = Engine(host_a, "busy")
-    try:
-        # A write in flight (the server stalled) when its pool is dropped.
-        sleeper = subprocess.Popen(["redis-cli", "-p", str(store.port), "debug", "sleep", "1.5"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    with RedisServer() as store:
+        slow = {"remote_timeout_ms": "20000"}  # the paused SET waits, not fails
+        host_a, host_b = start_host(store.url, tp=1, **slow), start_host(store.url, tp=1, **slow)
         try:
-            time.sleep(0.2)
-            a.store(keys_of("dropped"), seed=1)
-            wait_for("a write in flight",
-                     lambda: counters(host_a.daemon).get("remote.write_bytes_in_flight", 0) > 0)  # fmt: skip
-            admin_call(host_a, p.DropPool, "busy")
+            a = Engine(host_a, "busy")
+            try:
+                store.cli("client", "pause", "15000", "write")
+                try:
+                    a.store(keys_of("dropped"), seed=1)
+                    wait_for("a write in flight", lambda: counters(host_a.daemon).get(
+                        "remote.write_bytes_in_flight", 0) > 0)  # fmt: skip
+                    admin_call(host_a, p.DropPool, "busy")
+                finally:
+                    store.cli("client", "unpause")
+                wait_for("the write to settle", lambda: counters(host_a.daemon).get(
+                    "remote.write_bytes_in_flight", 1) == 0)  # fmt: skip
+            finally:
+                a.close()
+            # The daemon writes on: a new pool of the same name.
+            a, b = Engine(host_a, "busy"), Engine(host_b, "busy")
+            try:
+                keys = keys_of("after-drop")
+                base = written(host_a)
+                a.store(keys, seed=2)
+                wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+                # A reset of B's pool while its fetch is under way: the reset
+                # waits for the fetch; then the pool is empty and consistent.
+                wait_for("B's tier up", lambda: counters(host_b.daemon).get(
+                    "remote.connected") == 1)  # fmt: skip
+                assert b.scheduler.lookup(keys) is None
+                admin_call(host_b, p.Reset, "busy")
+                wait_for("the reset", lambda: [
+                    pi.blocks_ready + pi.blocks_in_flight + pi.blocks_pinned
+                    for pi in b.scheduler.stats().pools if pi.name == "busy"] == [0])  # fmt: skip
+                assert b.scheduler.check_invariants() == []
+                assert a.scheduler.check_invariants() == []
+                time.sleep(2.2)  # remote_miss_ms: a fetch the reset cut short counts as a miss
+                fetch_all(b.scheduler, keys)
+            finally:
+                a.close()
+                b.close()
         finally:
-            sleeper.wait(timeout=10)
-        wait_for("the write to settle",
-                 lambda: counters(host_a.daemon).get("remote.write_bytes_in_flight", 1) == 0)  # fmt: skip
-    finally:
-        a.close()
-    # The daemon writes on: a new pool of the same name.
-    a = Engine(host_a, "busy")
-    b = Engine(host_b, "busy")
-    try:
-        keys = keys_of("after-drop")
-        base = written(host_a)
-        a.store(keys, seed=2)
-        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
-        # A reset of B's pool while its fetch is under way: the reset waits for
-        # the fetch, then the pool is empty and consistent, and fetches again.
-        assert b.scheduler.lookup(keys) is None
-        admin_call(host_b, p.Reset, "busy")
-        wait_for("the reset",
-                 lambda: [pi.blocks_ready + pi.blocks_in_flight for pi in b.scheduler.stats().pools
-                          if pi.name == "busy"] == [0])  # fmt: skip
-        assert b.scheduler.check_invariants() == []
-        assert a.scheduler.check_invariants() == []
-        time.sleep(2.2)  # remote_miss_ms: a fetch the reset cut short counts as a miss
-        fetch_all(b.scheduler, keys)
-    finally:
-        a.close()
-        b.close()
+            stop_host(host_a)
+            stop_host(host_b)

@@ -121,8 +121,11 @@ class RedisClusterProcesses:
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvd-rcluster"))
         self.replicas = replicas
+        # validity factor 0: a replica always takes over, however long its link
+        # to its master was down (a test kills masters soon after the start).
         flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", str(node_timeout_ms)]  # fmt: skip
+                 "--cluster-node-timeout", str(node_timeout_ms),
+                 "--cluster-replica-validity-factor", "0"]  # fmt: skip
         self.nodes = [
             RedisServer(None, *flags, workdir=self.dir / str(i))
             for i in range(masters * (1 + replicas))
@@ -146,10 +149,23 @@ class RedisClusterProcesses:
             if "[OK] All 16384 slots covered" not in out:
                 raise RuntimeError(f"redis-cli --cluster create failed: {out[-2000:]}")
             self.wait_ok()
+            self._wait_replicas_linked()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_replicas_linked(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            infos = [n.cli("info", "replication") for n in self.nodes]
+            replicas = [i for i in infos if "role:slave" in i]
+            if len(replicas) == len(self.nodes) - len(self.nodes) // (1 + self.replicas) and all(
+                "master_link_status:up" in i for i in replicas
+            ):
+                return
+            time.sleep(0.1)
+        raise TimeoutError("the cluster's replicas did not link to their masters")
 
     def live(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -162,6 +178,24 @@ class RedisClusterProcesses:
                 return
             time.sleep(0.1)
         raise TimeoutError("the redis cluster did not reach cluster_state:ok")
+
+    def wait_failed_over(self, dead: RedisServer, timeout: float = 60) -> None:
+        """Until the live nodes hold `dead` as failed and the cluster is ok again
+        (its replica took its slots over)."""
+        deadline = time.monotonic() + timeout
+        mark = f"127.0.0.1:{dead.port}@"
+        while time.monotonic() < deadline:
+            views = [n.cli("cluster", "nodes") for n in self.live()]
+            failed = all(
+                any(mark in line and " fail " in f" {line.split()[2].replace(',', ' ')} "
+                    for line in view.splitlines())
+                for view in views
+            )  # fmt: skip
+            if failed and len(self.masters()) == len(self.nodes) // (1 + self.replicas):
+                self.wait_ok(max(1.0, deadline - time.monotonic()))
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"no failover of {dead.port} within {timeout} s")
 
     def masters(self) -> list[RedisServer]:
         """The live nodes that are masters now."""
