@@ -113,7 +113,10 @@ class WriteBehind:
             keys = keys[:room]
         if not keys:
             return
-        ready = [k for k in keys if pool.index.is_ready(k)] if keys else []
+        ready = [k for k in keys if pool.index.is_ready(k)]  # not evicted since
+        self.counters["remote.writes_skipped"] += len(keys) - len(ready)
+        if not ready:
+            return
         write = Write(next(self._ids), pool.name, pool.generation, ready, [], 0)
         try:
             spec = pool.owned.prepare_load(write.owner, ready, account=WRITER_ACCOUNT)
@@ -121,7 +124,6 @@ class WriteBehind:
             self.counters["remote.writes_skipped"] += len(ready)
             log.debug("event=remote_write_skipped pool=%s reason=%s", pool.name, exc)
             return
-        self.counters["remote.writes_skipped"] += len(keys) - len(ready)
         write.slots = list(spec.slots)
         write.nbytes = len(ready) * row_bytes
         self.write_bytes += write.nbytes

@@ -6,15 +6,23 @@ scheduler with real worker processes on one host's pool.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from kvd_client import Layout, Scheduler
 from kvd_tools.launcher import DaemonProcess
+from kvd_tools.redis_launcher import available
 from tests.integration.engine_harness import CacheSpec, Rank, all_ranks
 
+# The remote tier's tests run real redis-server processes.
+needs_redis = pytest.mark.skipif(
+    not available(), reason="redis-server is not installed (make test installs it as root)"
+)
 TP = 2
 SLOT_BYTES = 64 << 10
 BLOCKS = 8
@@ -62,6 +70,19 @@ def stop_host(h: Host) -> None:
     for r in h.ranks:
         r.kill()
     h.daemon.stop()
+
+
+@contextlib.contextmanager
+def hosts_on(url: str, n: int, tp: int = TP, **flags: str) -> Iterator[list[Host]]:
+    """`n` hosts on the remote tier at `url`, stopped (each one started) at the end."""
+    hosts: list[Host] = []
+    try:
+        for _ in range(n):
+            hosts.append(start_host(url, tp, **flags))
+        yield hosts
+    finally:
+        for h in hosts:
+            stop_host(h)
 
 
 class Engine:

@@ -9,7 +9,6 @@ them up (None first, then hits), loads them, and gets the same bytes.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -21,45 +20,31 @@ from kvd.io.remote_value import (
     remote_key,
 )
 from kvd_client.geometry import Geometry
-from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer, available
+from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer
 from tests.integration.remote_hosts import (
     BLOCKS,
     SLOT_BYTES,
     TP,
     Engine,
-    Host,
+    Hosts,
     counters,
     fetch_all,
-    start_host,
-    stop_host,
+    hosts_on,
+    needs_redis,
     wait_for,
 )  # fmt: skip
 
-pytestmark = pytest.mark.skipif(
-    not available(), reason="redis-server is not installed (make test installs it as root)"
-)
-
-
-@dataclass
-class Hosts:
-    kind: str
-    store: Any  # RedisServer or RedisClusterProcesses
-    a: Host
-    b: Host
+pytestmark = needs_redis
 
 
 @pytest.fixture(scope="module", params=["standalone", "cluster"])
 def hosts(request: pytest.FixtureRequest) -> Iterator[Hosts]:
     store: Any = RedisServer() if request.param == "standalone" else RedisClusterProcesses(3)
     store.start()
-    started: list[Host] = []
     try:
-        started.append(start_host(store.url))
-        started.append(start_host(store.url))
-        yield Hosts(request.param, store, *started)
+        with hosts_on(store.url, 2) as (a, b):
+            yield Hosts(request.param, store, a, b)
     finally:
-        for h in started:
-            stop_host(h)
         store.stop()
 
 

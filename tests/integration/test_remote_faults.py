@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvd_client import Scheduler
-from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer, available
+from kvd_tools.redis_launcher import RedisClusterProcesses, RedisServer
 from tests.integration.remote_hosts import (
     BLOCKS,
     SLOT_BYTES,
@@ -23,14 +23,12 @@ from tests.integration.remote_hosts import (
     Host,
     counters,
     fetch_all,
-    start_host,
-    stop_host,
+    hosts_on,
+    needs_redis,
     wait_for,
 )
 
-pytestmark = pytest.mark.skipif(
-    not available(), reason="redis-server is not installed (make test installs it as root)"
-)
+pytestmark = needs_redis
 # What one lookup may take while the remote tier fails: its reply never waits
 # on the remote tier; the margin is for a loaded test machine.
 ANSWER_S = 1.0
@@ -69,14 +67,10 @@ def written(h: Host) -> int:
 @pytest.fixture
 def standalone() -> Iterator[tuple[RedisServer, Host, Host]]:
     store = RedisServer().start()
-    hosts: list[Host] = []
     try:
-        hosts.append(start_host(store.url, tp=1))
-        hosts.append(start_host(store.url, tp=1))
-        yield store, hosts[0], hosts[1]
+        with hosts_on(store.url, 2, tp=1) as (a, b):
+            yield store, a, b
     finally:
-        for h in hosts:
-            stop_host(h)
         store.stop()
 
 
@@ -142,82 +136,78 @@ def test_redis_killed_slowed_and_restarted(standalone: tuple[RedisServer, Host, 
         b.close()
 
 
-def test_the_write_behind_bound_holds_under_a_burst(tmp_path: object) -> None:
+def test_the_write_behind_bound_holds_under_a_burst() -> None:
     row = SLOT_BYTES  # tp=1, sharded: one slot per row
     bound = 3 * row
-    with RedisServer() as store:
-        host = start_host(store.url, tp=1, remote_write_max_bytes=str(bound))
+    with (
+        RedisServer() as store,
+        hosts_on(store.url, 1, tp=1, remote_write_max_bytes=str(bound)) as (host,),
+    ):
+        e = Engine(host, "burst")
         try:
-            e = Engine(host, "burst")
-            try:
-                total = 0
-                for burst in range(4):  # stores back to back, no wait for the writes
-                    keys = keys_of(f"burst{burst}")
-                    e.store(keys, seed=burst)
-                    total += len(keys)
+            total = 0
+            for burst in range(4):  # stores back to back, no wait for the writes
+                keys = keys_of(f"burst{burst}")
+                e.store(keys, seed=burst)
+                total += len(keys)
 
-                def settled() -> dict[str, int] | None:
-                    c = counters(host.daemon)
-                    done = c.get("remote.blocks_written", 0) + c.get("remote.writes_skipped", 0)
-                    return c if done >= total else None
+            def settled() -> dict[str, int] | None:
+                c = counters(host.daemon)
+                done = c.get("remote.blocks_written", 0) + c.get("remote.writes_skipped", 0)
+                return c if done >= total else None
 
-                c = wait_for("every block written or skipped", settled)
-                assert c["remote.writes_skipped"] > 0
-                assert c["remote.blocks_written"] + c["remote.writes_skipped"] == total
-                assert 0 < c["remote.write_bytes_peak"] <= bound
-                assert int(store.cli("dbsize").strip()) == c["remote.blocks_written"]
-            finally:
-                e.close()
+            c = wait_for("every block written or skipped", settled)
+            assert c["remote.writes_skipped"] > 0
+            assert c["remote.blocks_written"] + c["remote.writes_skipped"] == total
+            assert 0 < c["remote.write_bytes_peak"] <= bound
+            assert int(store.cli("dbsize").strip()) == c["remote.blocks_written"]
         finally:
-            stop_host(host)
+            e.close()
 
 
 def test_a_cluster_master_failing_over_is_survived() -> None:
-    with RedisClusterProcesses(3, replicas=1, node_timeout_ms=1000) as cluster:
-        a_host = start_host(cluster.url, tp=1)
-        b_host = start_host(cluster.url, tp=1)
+    with (
+        RedisClusterProcesses(3, replicas=1, node_timeout_ms=1000) as cluster,
+        hosts_on(cluster.url, 2, tp=1) as (a_host, b_host),
+    ):
+        a, b = Engine(a_host, "failover"), Engine(b_host, "failover")
         try:
-            a, b = Engine(a_host, "failover"), Engine(b_host, "failover")
-            try:
-                before = keys_of("before")
-                base = written(a_host)
-                a.store(before, seed=5)
-                wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
-                fetch_all(b.scheduler, before)
+            before = keys_of("before")
+            base = written(a_host)
+            a.store(before, seed=5)
+            wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+            fetch_all(b.scheduler, before)
 
-                dead = cluster.masters()[0]
-                dead.kill()  # its replica takes its slots over
-                for _ in range(20):
-                    assert timed_lookup(a.scheduler, before) == BLOCKS
-                cluster.wait_failed_over(dead)
-                for h in (a_host, b_host):  # each daemon reads the new slot map on its own
-                    wait_for("a reconnect", lambda h=h: counters(h.daemon).get(
-                        "remote.connected") == 1, timeout=30)  # fmt: skip
-                # A write that met the dead master is lost (written once, never
-                # retried); stores after the failover reach the new master.
-                for attempt in range(20):
-                    keys = keys_of(f"after{attempt}")
-                    base = written(a_host)
-                    stored = a.store(keys, seed=6 + attempt)
-                    try:
-                        wait_for("the write-behind",
-                                 lambda b=base: written(a_host) >= b + BLOCKS, timeout=3)  # fmt: skip
-                        break
-                    except AssertionError:
-                        continue
-                else:
-                    log = [line for line in a_host.daemon.log().splitlines() if "remote" in line]
-                    raise AssertionError("no write reached the cluster after the failover:\n"
-                                         + "\n".join(log[-20:]))  # fmt: skip
-                wait_for("the fetch after the failover",
-                         lambda: b.scheduler.lookup(keys) == BLOCKS, timeout=20)  # fmt: skip
-                assert b.load(keys) == stored
-            finally:
-                a.close()
-                b.close()
+            dead = cluster.masters()[0]
+            dead.kill()  # its replica takes its slots over
+            for _ in range(20):
+                assert timed_lookup(a.scheduler, before) == BLOCKS
+            cluster.wait_failed_over(dead)
+            for h in (a_host, b_host):  # each daemon reads the new slot map on its own
+                wait_for("a reconnect", lambda h=h: counters(h.daemon).get(
+                    "remote.connected") == 1, timeout=30)  # fmt: skip
+            # A write that met the dead master is lost (written once, never
+            # retried); stores after the failover reach the new master.
+            for attempt in range(20):
+                keys = keys_of(f"after{attempt}")
+                base = written(a_host)
+                stored = a.store(keys, seed=6 + attempt)
+                try:
+                    wait_for("the write-behind",
+                             lambda b=base: written(a_host) >= b + BLOCKS, timeout=3)  # fmt: skip
+                    break
+                except AssertionError:
+                    continue
+            else:
+                log = [line for line in a_host.daemon.log().splitlines() if "remote" in line]
+                raise AssertionError("no write reached the cluster after the failover:\n"
+                                     + "\n".join(log[-20:]))  # fmt: skip
+            wait_for("the fetch after the failover",
+                     lambda: b.scheduler.lookup(keys) == BLOCKS, timeout=20)  # fmt: skip
+            assert b.load(keys) == stored
         finally:
-            stop_host(a_host)
-            stop_host(b_host)
+            a.close()
+            b.close()
 
 
 def admin_call(h: Host, cls: type, *args: object) -> object:
@@ -234,32 +224,30 @@ def admin_call(h: Host, cls: type, *args: object) -> object:
 def test_a_server_that_refuses_writes_is_not_a_tier_down() -> None:
     """OOM under noeviction: the writes fail and are counted; the link stays up,
     lookups still ask the tier, and writing resumes once there is room."""
-    with RedisServer(None, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as store:
-        a_host, b_host = start_host(store.url, tp=1), start_host(store.url, tp=1)
+    with (
+        RedisServer(None, "--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as store,
+        hosts_on(store.url, 2, tp=1) as (a_host, b_host),
+    ):
+        a, b = Engine(a_host, "oom"), Engine(b_host, "oom")
         try:
-            a, b = Engine(a_host, "oom"), Engine(b_host, "oom")
-            try:
-                a.store(keys_of("refused"), seed=1)
-                wait_for("the failed writes",
-                         lambda: counters(a_host.daemon).get("remote.writes_failed", 0) > 0)  # fmt: skip
-                time.sleep(1.5)  # a tick or more: the state would have changed by now
-                c = counters(a_host.daemon)
-                assert c["remote.connected"] == 1 and c.get("remote.skipped_down", 0) == 0
-                assert settles(b.scheduler, keys_of("refused"))[0] == 0  # asked, absent
-                assert counters(b_host.daemon)["remote.probes"] >= 1
-                store.cli("config", "set", "maxmemory", "0")
-                keys = keys_of("after-room")
-                base = written(a_host)
-                stored = a.store(keys, seed=2)
-                wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
-                fetch_all(b.scheduler, keys)
-                assert b.load(keys) == stored
-            finally:
-                a.close()
-                b.close()
+            a.store(keys_of("refused"), seed=1)
+            wait_for("the failed writes",
+                     lambda: counters(a_host.daemon).get("remote.writes_failed", 0) > 0)  # fmt: skip
+            time.sleep(1.5)  # a tick or more: the state would have changed by now
+            c = counters(a_host.daemon)
+            assert c["remote.connected"] == 1 and c.get("remote.skipped_down", 0) == 0
+            assert settles(b.scheduler, keys_of("refused"))[0] == 0  # asked, absent
+            assert counters(b_host.daemon)["remote.probes"] >= 1
+            store.cli("config", "set", "maxmemory", "0")
+            keys = keys_of("after-room")
+            base = written(a_host)
+            stored = a.store(keys, seed=2)
+            wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+            fetch_all(b.scheduler, keys)
+            assert b.load(keys) == stored
         finally:
-            stop_host(a_host)
-            stop_host(b_host)
+            a.close()
+            b.close()
 
 
 def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held() -> None:
@@ -271,8 +259,7 @@ def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held() -> None:
 
     with RedisServer() as store:
         slow = {"remote_timeout_ms": "20000"}  # the paused SET waits, not fails
-        host_a, host_b = start_host(store.url, tp=1, **slow), start_host(store.url, tp=1, **slow)
-        try:
+        with hosts_on(store.url, 2, tp=1, **slow) as (host_a, host_b):
             a = Engine(host_a, "busy")
             try:
                 store.cli("client", "pause", "15000", "write")
@@ -310,6 +297,3 @@ def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held() -> None:
             finally:
                 a.close()
                 b.close()
-        finally:
-            stop_host(host_a)
-            stop_host(host_b)

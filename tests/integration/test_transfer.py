@@ -9,7 +9,6 @@ import pytest
 
 from kvd_client import Layout, Scheduler
 from kvd_client import protocol as p
-from kvd_client.connection import Connection
 from kvd_tools.launcher import DaemonProcess
 from tests.integration.engine_harness import CacheSpec, Rank, all_ranks
 
@@ -57,12 +56,7 @@ def wait_result(s: Scheduler, job_id: int, timeout: float = 20) -> p.JobResult:
 
 
 def drop(d: DaemonProcess, pool: str) -> None:
-    conn = Connection(d.endpoint, role="admin", keeper=False)
-    conn.connect()
-    try:
-        conn.call(p.DropPool, pool, d.admin_token)
-    finally:
-        conn.close()
+    d.drop_pool(pool)
 
 
 @pytest.mark.parametrize("slot_bytes", [16 << 10, 2 << 20])

@@ -103,6 +103,17 @@ class DaemonProcess:
                 time.sleep(0.02)
         raise RuntimeError(f"kvd did not start within {timeout} s:\n{self.log()}")
 
+    def drop_pool(self, name: str) -> None:
+        """`kvd pool drop NAME`: the pool goes at once (with the operator token)."""
+        from kvd_client import protocol as p
+
+        conn = Connection(self.endpoint, role="admin", keeper=False)
+        conn.connect()
+        try:
+            conn.call(p.DropPool, name, self.admin_token)
+        finally:
+            conn.close()
+
     def log(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-5000:]

@@ -165,28 +165,16 @@ def _fetch_rows(
             _wait_hits(sb, keys, n, poll=0.005)  # an engine looks once a step, not more
             fetch.append(got / (time.perf_counter() - t0) / 1e9)
             sb.close()
-            _drop(b, f"fetch{rnd}")
+            b.drop_pool(f"fetch{rnd}")
             _log(f"remote: {value_bytes} B round {rnd}: bare {bare[-1]:.2f} GB/s, "
                  f"kvd {fetch[-1]:.2f} GB/s")  # fmt: skip
-        _drop(a, "fetch")
+        a.drop_pool("fetch")
         fetch_gbps, bare_gbps = statistics.median(fetch), statistics.median(bare)
         rows.append({"value_bytes": value_bytes, "blocks": n, "fetch_gbps": round(fetch_gbps, 3),
                      "bare_get_gbps": round(bare_gbps, 3),
                      "ratio": round(fetch_gbps / bare_gbps, 3)})  # fmt: skip
     client.close()
     return rows
-
-
-def _drop(d: DaemonProcess, pool: str) -> None:
-    from kvd_client import protocol as p
-    from kvd_client.connection import Connection
-
-    conn = Connection(d.endpoint, role="admin", keeper=False)
-    conn.connect()
-    try:
-        conn.call(p.DropPool, pool, d.admin_token)
-    finally:
-        conn.close()
 
 
 def _latency_rows(
