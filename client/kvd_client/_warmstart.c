@@ -20,9 +20,14 @@
    fill(table, keys, mask) -> written
      Writes each key of `keys` (at most 64 bytes; longer ones are skipped)
      READY into the empty ready table `table`, the writable mapping of a table
-     no reader has seen yet (so no sequence counter moves): bucket
+     no reader has seen yet (so no sequence counter moves): home bucket
      crc32(key) & mask, then linear probing to the first empty bucket. The
-     keys must be distinct. */
+     keys must be distinct. They go in in the order of their home buckets, so
+     the buckets a key lands in may differ from a fill in list order (any order
+     makes a valid table). It runs without the GIL: other threads go on
+     meanwhile, but nothing may touch the table, and `keys` must be the
+     caller's own list, which nothing changes until it returns. A list with
+     something else than bytes in it is a TypeError, the table left as it was. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,13 +56,12 @@ typedef struct {
     unsigned int klen; /* read once: the table may change under a hostile mapper */
 } kept_t;
 
-static int by_seq_then_slot(const void *a, const void *b)
-{
-    const kept_t *x = a, *y = b;
-    if (x->seq != y->seq)
-        return x->seq < y->seq ? -1 : 1;
-    return (x->slot > y->slot) - (x->slot < y->slot);
-}
+typedef struct {
+    Py_ssize_t j; /* into kept */
+    uint64_t hash;
+} visit_t;
+
+#define PREFETCH 16
 
 static uint64_t read_u64le(const unsigned char *p)
 {
@@ -72,13 +76,74 @@ static uint32_t read_u32le(const unsigned char *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* FNV-1a, 64 bits: a hash for the set of kept keys, not part of any format. */
+/* A hash for the set of kept keys, not part of any format: the key's 8-byte
+   words, each folded in with a multiply (the mixers of MurmurHash3's fmix64). */
 static uint64_t key_hash(const unsigned char *p, unsigned int n)
 {
-    uint64_t h = 1469598103934665603ULL;
-    for (unsigned int i = 0; i < n; i++)
-        h = (h ^ p[i]) * 1099511628211ULL;
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
+    unsigned int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, p + i, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        h ^= h >> 32;
+    }
+    if (i < n) {
+        uint64_t w = 0;
+        memcpy(&w, p + i, n - i);
+        h = (h ^ w) * 0xC4CEB9FE1A85EC53ULL;
+    }
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDULL;
+    h ^= h >> 33;
     return h;
+}
+
+/* Sorts `kept` (in slot order) by seq, stably, so that equal seqs stay in
+   slot order: nothing to do when the seqs already rise (entries written in
+   slot order), else an LSD radix sort, 16 bits a pass, as many passes as the
+   highest seq needs. -1 when out of memory. */
+static int sort_by_seq(kept_t *kept, Py_ssize_t m)
+{
+    uint64_t top = 0;
+    int sorted = 1;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (j > 0 && kept[j].seq < kept[j - 1].seq)
+            sorted = 0;
+        if (kept[j].seq > top)
+            top = kept[j].seq;
+    }
+    if (sorted)
+        return 0;
+    kept_t *tmp = malloc(sizeof(kept_t) * (size_t)m);
+    size_t *count = malloc(sizeof(size_t) * 65536);
+    if (tmp == NULL || count == NULL) {
+        free(tmp);
+        free(count);
+        return -1;
+    }
+    kept_t *from = kept, *to = tmp;
+    for (int shift = 0; shift < 64 && (top >> shift) != 0; shift += 16) {
+        memset(count, 0, sizeof(size_t) * 65536);
+        for (Py_ssize_t j = 0; j < m; j++)
+            count[(from[j].seq >> shift) & 0xFFFF]++;
+        size_t at = 0;
+        for (size_t d = 0; d < 65536; d++) {
+            size_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (Py_ssize_t j = 0; j < m; j++)
+            to[count[(from[j].seq >> shift) & 0xFFFF]++] = from[j];
+        kept_t *t = from;
+        from = to;
+        to = t;
+    }
+    if (from != kept)
+        memcpy(kept, from, sizeof(kept_t) * (size_t)m);
+    free(tmp);
+    free(count);
+    return 0;
 }
 
 static int append_slot(PyObject *list, Py_ssize_t slot)
@@ -100,9 +165,14 @@ static PyObject *scan(PyObject *self, PyObject *args)
         return NULL;
     PyObject *slots = NULL, *keys = NULL, *refused = NULL, *out = NULL;
     kept_t *kept = NULL;
-    Py_ssize_t *set = NULL;
+    uint64_t *set = NULL;
+    visit_t *visit = NULL;
     if (base < 0 || n < 0 || n > (buf.len - base) / ENTRY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "the slot table lies outside the buffer");
+        goto done;
+    }
+    if (n >= 0xFFFFFFFFLL) { /* an index into `kept` + 1 fits 32 bits */
+        PyErr_SetString(PyExc_ValueError, "a slot table of 2**32 - 1 entries or more");
         goto done;
     }
     kept = malloc(sizeof(kept_t) * (size_t)(n > 0 ? n : 1));
@@ -136,50 +206,72 @@ static PyObject *scan(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    qsort(kept, (size_t)m, sizeof(kept_t), by_seq_then_slot);
+    if (sort_by_seq(kept, m) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
     /* Newest first: a key's first entry met wins. Runs of equal seq are walked
        from their lowest slot, so on a tie the lowest slot wins. A key is looked
-       for in an open-addressing set of kept entries (indexes into `kept`). */
+       for in an open-addressing set of kept entries: each bucket holds 1 + the
+       index into `kept` (0: empty) in its low 32 bits and the top 32 bits of
+       the key's hash above, so that only a key of equal hash is compared. */
     size_t cap = 16;
     while (cap < 2 * (size_t)m)
         cap <<= 1;
-    set = malloc(sizeof(Py_ssize_t) * cap);
+    set = calloc(cap, sizeof(uint64_t));
     if (set == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (size_t c = 0; c < cap; c++)
-        set[c] = -1;
-    Py_ssize_t winners = 0;
-    Py_ssize_t i = m;
+    /* The order of the walk, and each key's hash, first: the walk then asks
+       for the set's bucket of the key PREFETCH places ahead, so that the
+       buckets' cache misses overlap instead of coming one after another. */
+    visit = malloc(sizeof(visit_t) * (size_t)(m > 0 ? m : 1));
+    if (visit == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t v = 0, i = m;
     while (i > 0) {
-        Py_ssize_t run_end = i, run_start = i - 1;
+        Py_ssize_t run_start = i - 1;
         while (run_start > 0 && kept[run_start - 1].seq == kept[i - 1].seq)
             run_start--;
-        for (Py_ssize_t j = run_start; j < run_end; j++) { /* lowest slot first */
-            const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
-            unsigned int klen = kept[j].klen;
-            size_t c = (size_t)key_hash(e + ENTRY_KEY, klen) & (cap - 1);
-            int dup = 0;
-            while (set[c] >= 0) {
-                const kept_t *other = &kept[set[c]];
+        for (Py_ssize_t j = run_start; j < i; j++) { /* lowest slot first */
+            visit[v].j = j;
+            visit[v].hash = key_hash(table + kept[j].slot * ENTRY_BYTES + ENTRY_KEY, kept[j].klen);
+            v++;
+        }
+        i = run_start;
+    }
+    Py_ssize_t winners = 0;
+    for (v = 0; v < m; v++) {
+        if (v + PREFETCH < m)
+            __builtin_prefetch(&set[visit[v + PREFETCH].hash & (cap - 1)], 1);
+        Py_ssize_t j = visit[v].j;
+        const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
+        unsigned int klen = kept[j].klen;
+        uint64_t tag = visit[v].hash & 0xFFFFFFFF00000000ULL;
+        size_t c = (size_t)visit[v].hash & (cap - 1);
+        int dup = 0;
+        while (set[c] != 0) {
+            if ((set[c] & 0xFFFFFFFF00000000ULL) == tag) {
+                const kept_t *other = &kept[(set[c] & 0xFFFFFFFFULL) - 1];
                 const unsigned char *o = table + other->slot * ENTRY_BYTES;
                 if (other->klen == klen && memcmp(o + ENTRY_KEY, e + ENTRY_KEY, klen) == 0) {
                     dup = 1;
                     break;
                 }
-                c = (c + 1) & (cap - 1);
             }
-            if (dup) {
-                if (append_slot(refused, kept[j].slot) < 0)
-                    goto done;
-                kept[j].slot = -1; /* dropped */
-            } else {
-                set[c] = j;
-                winners++;
-            }
+            c = (c + 1) & (cap - 1);
         }
-        i = run_start;
+        if (dup) {
+            if (append_slot(refused, kept[j].slot) < 0)
+                goto done;
+            kept[j].slot = -1; /* dropped */
+        } else {
+            set[c] = tag | (uint64_t)(j + 1);
+            winners++;
+        }
     }
     slots = PyList_New(winners);
     keys = PyList_New(winners);
@@ -207,12 +299,19 @@ static PyObject *scan(PyObject *self, PyObject *args)
 done:
     free(kept);
     free(set);
+    free(visit);
     Py_XDECREF(slots);
     Py_XDECREF(keys);
     Py_XDECREF(refused);
     PyBuffer_Release(&buf);
     return out;
 }
+
+typedef struct {
+    const unsigned char *data;
+    size_t len;
+    uint64_t bucket;
+} fill_t;
 
 static PyObject *fill(PyObject *self, PyObject *args)
 {
@@ -223,36 +322,85 @@ static PyObject *fill(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "w*O!K", &buf, &PyList_Type, &keys, &mask))
         return NULL;
     PyObject *out = NULL;
+    fill_t *items = NULL, *order = NULL;
+    size_t *count = NULL;
     if (buf.len < TABLE_HEADER ||
-        (unsigned long long)(buf.len - TABLE_HEADER) / BUCKET_BYTES < mask + 1) {
+        (unsigned long long)(buf.len - TABLE_HEADER) / BUCKET_BYTES < mask + 1 ||
+        (mask & (mask + 1)) != 0) {
         PyErr_SetString(PyExc_ValueError, "the ready table is smaller than its mask says");
         goto done;
     }
-    unsigned char *base = (unsigned char *)buf.buf + TABLE_HEADER;
-    Py_ssize_t written = 0, nkeys = PyList_GET_SIZE(keys);
+    Py_ssize_t nkeys = PyList_GET_SIZE(keys);
     if ((unsigned long long)nkeys > mask / 2 + 1) {
         PyErr_SetString(PyExc_ValueError, "more keys than the table holds at half full");
         goto done;
     }
+    items = malloc(sizeof(fill_t) * (size_t)(nkeys > 0 ? nkeys : 1));
+    order = malloc(sizeof(fill_t) * (size_t)(nkeys > 0 ? nkeys : 1));
+    count = calloc(65536, sizeof(size_t));
+    if (items == NULL || order == NULL || count == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *base = (unsigned char *)buf.buf + TABLE_HEADER;
+    Py_ssize_t m = 0;
+    int not_bytes = 0;
+    /* Without the GIL from here on: the list and its keys only read, never
+       referenced anew (the caller's reference keeps them, and the list must be
+       its own: nothing may change it meanwhile; bytes never change). */
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < nkeys; j++) {
         PyObject *key = PyList_GET_ITEM(keys, j);
-        char *data;
-        Py_ssize_t len;
-        if (PyBytes_AsStringAndSize(key, &data, &len) < 0)
-            goto done;
-        if (len > MAX_KEY)
+        if (!PyBytes_Check(key)) {
+            not_bytes = 1;
+            break;
+        }
+        if (PyBytes_GET_SIZE(key) > MAX_KEY)
             continue;
-        uint64_t i = crc32(0L, (const unsigned char *)data, (uInt)len) & mask;
-        while (base[i * BUCKET_BYTES + 4] != STATE_EMPTY)
-            i = (i + 1) & mask;
-        unsigned char *b = base + i * BUCKET_BYTES;
-        memcpy(b + BUCKET_KEY, data, (size_t)len);
-        b[5] = (unsigned char)len;
-        b[4] = STATE_READY;
-        written++;
+        items[m].data = (const unsigned char *)PyBytes_AS_STRING(key);
+        items[m].len = (size_t)PyBytes_GET_SIZE(key);
+        m++;
     }
-    out = PyLong_FromSsize_t(written);
+    if (!not_bytes) {
+        /* Each key's home bucket, then the keys in the order of their home
+           buckets' top 16 bits (a counting sort): the writes sweep the table
+           once, front to back, instead of landing anywhere. */
+        int bits = 0;
+        while (bits < 64 && (mask >> bits) != 0)
+            bits++;
+        int shift = bits > 16 ? bits - 16 : 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            items[j].bucket = crc32(0L, items[j].data, (uInt)items[j].len) & mask;
+            count[items[j].bucket >> shift]++;
+        }
+        size_t at = 0;
+        for (size_t d = 0; d < 65536; d++) {
+            size_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (Py_ssize_t j = 0; j < m; j++)
+            order[count[items[j].bucket >> shift]++] = items[j];
+        for (Py_ssize_t j = 0; j < m; j++) {
+            uint64_t i = order[j].bucket;
+            while (base[i * BUCKET_BYTES + 4] != STATE_EMPTY)
+                i = (i + 1) & mask;
+            unsigned char *b = base + i * BUCKET_BYTES;
+            memcpy(b + BUCKET_KEY, order[j].data, order[j].len);
+            b[5] = (unsigned char)order[j].len;
+            b[4] = STATE_READY;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (not_bytes) {
+        PyErr_SetString(PyExc_TypeError, "fill() takes a list of bytes");
+        goto done;
+    }
+    out = PyLong_FromSsize_t(m);
 done:
+    free(items);
+    free(order);
+    free(count);
     PyBuffer_Release(&buf);
     return out;
 }

@@ -337,7 +337,7 @@ class PoolRegistry:
                 pool = self._add(
                     pool_name, layout, geometry, header.generation, region, index, policy
                 )
-                index.adopt(slots, keys)
+                index.adopt(slots, keys, policy_later=True)
                 # Jobs of the dead daemon were made before now: their hard deadlines
                 # (two job timeouts after they were made) are all behind this one.
                 hold_s = 2 * self.config.job_timeout_ms / 1000

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -56,6 +58,8 @@ try:  # a warm restart's fill in C, built with the package where a compiler was 
 except ImportError:  # pragma: no cover - depends on the install
     _warmstart = None
 
+log = logging.getLogger(__name__)
+
 _SEQ = struct.Struct("<I")
 _EPOCH = struct.Struct("<Q")
 
@@ -71,6 +75,8 @@ class ReadyTableWriter:
         self.nbytes = HEADER_BYTES + self.num_buckets * BUCKET_BYTES
         self._mask = self.num_buckets - 1
         self._live = 0
+        self._filling: threading.Thread | None = None  # a warm restart's fill, until joined
+        self._fill_failed = False
         try:
             shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=mode, size=self.nbytes)
         except posix_ipc.ExistentialError:
@@ -108,19 +114,45 @@ class ReadyTableWriter:
         self.set_states(keys, EMPTY)
 
     def adopted(self, keys: Sequence[bytes]) -> None:
-        """`keys` (distinct) READY in this table while it is still empty and no
-        reader has it: a warm restart's blocks, before the daemon listens."""
-        if self._live:
+        """`keys` (distinct) READY in this table while it is still empty: a warm
+        restart's blocks. In C (`kvd_client._warmstart.fill`, without the GIL) on
+        a thread of its own while the daemon goes on starting and serving, under
+        an odd epoch: until it is done, readers ask the daemon. Every other write
+        to the table first waits for it (`wait_filled`)."""
+        if self._live or self._filling is not None:
             raise RuntimeError("adopted() needs an empty ready table")
         if _warmstart is None:
             self.set_states(keys, READY)
             return
-        self._live = _warmstart.fill(self._mm, list(keys), self._mask)
+        self.begin_reset()  # odd: readers ask the daemon meanwhile
+        batch = list(keys)
+        self._filling = threading.Thread(
+            target=self._fill, args=(batch,), name=f"kvd-fill-{self.name}", daemon=True
+        )
+        self._filling.start()
+
+    def _fill(self, keys: list[bytes]) -> None:
+        try:
+            self._live = _warmstart.fill(self._mm, keys, self._mask)
+        except Exception as exc:  # a bug, not a state: the epoch stays odd, lookups take the RPC
+            self._fill_failed = True
+            log.error("event=ready_table_fill_failed shm=%s error=%r", self.name, exc)
+            return
+        self._end_reset()
+        log.info("event=ready_table_filled shm=%s keys=%d", self.name, self._live)
+
+    def wait_filled(self) -> None:
+        """Returns once a warm restart's fill (`adopted`) is done."""
+        if self._filling is not None:
+            self._filling.join()
+            self._filling = None
 
     # -- writes -------------------------------------------------------------
 
     def set_states(self, keys: Sequence[bytes], state: int) -> None:
         """Publishes `state` (STORING, READY, or EMPTY: gone) for each key."""
+        if self._filling is not None:
+            self.wait_filled()
         for key in keys:
             if len(key) <= MAX_KEY_BYTES:  # the protocol admits no longer key
                 self._set(key, state)
@@ -193,6 +225,7 @@ class ReadyTableWriter:
     def begin_reset(self) -> None:
         """The pool is being reset (it empties once its copies end): until `reset`,
         the epoch is odd and readers ask the daemon, which answers no hits."""
+        self.wait_filled()
         epoch = _EPOCH.unpack_from(self._mm, EPOCH_OFFSET)[0]
         if epoch % 2 == 0:
             _EPOCH.pack_into(self._mm, EPOCH_OFFSET, epoch + 1)
@@ -207,8 +240,14 @@ class ReadyTableWriter:
         self._live = 0
         for key, state in live:
             self._set(key, state)
-        epoch = _EPOCH.unpack_from(mm, EPOCH_OFFSET)[0]
-        _EPOCH.pack_into(mm, EPOCH_OFFSET, epoch + 1)  # even again
+        self._end_reset()
+
+    def _end_reset(self) -> None:
+        """The epoch even again: readers answer from the table (never after a failed fill)."""
+        if self._fill_failed:
+            return
+        epoch = _EPOCH.unpack_from(self._mm, EPOCH_OFFSET)[0]
+        _EPOCH.pack_into(self._mm, EPOCH_OFFSET, epoch + 1)
 
     # -- lifetime -------------------------------------------------------------
 
@@ -220,6 +259,7 @@ class ReadyTableWriter:
     def close(self) -> None:
         """Unlinks the table. Readers keep what they mapped until they let go, so
         the epoch is left odd first: their lookups go to the daemon from then on."""
+        self.wait_filled()
         epoch = _EPOCH.unpack_from(self._mm, EPOCH_OFFSET)[0]
         if epoch % 2 == 0:
             _EPOCH.pack_into(self._mm, EPOCH_OFFSET, epoch + 1)

@@ -210,9 +210,10 @@ class SharedRegion:
                 if prefault:
                     self._check_room(shm.fd, size + reserved)
             self.table = SlotTable(shm.fd, header, fresh=not adopted)
-            # An adopted segment too: its earlier run may have died prefaulting it
-            # (pages already there cost nothing).
-            if prefault:
+            # An adopted segment too, unless every page is there already: its
+            # earlier run may have died prefaulting it. (Walking 300 MB of pages
+            # that are all there costs half a second of a core at the start.)
+            if prefault and not (adopted and os.fstat(shm.fd).st_blocks * 512 >= size):
                 self._prefaulter = threading.Thread(
                     target=self._prefault,
                     args=(os.dup(shm.fd), size),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -46,14 +47,6 @@ IDLE_S = 0.001
 PUBLISH_KEYS_PER_TURN = 4096
 
 
-def _slices(event: OffloadingEvent) -> list[OffloadingEvent]:
-    """`event` cut into events of at most PUBLISH_KEYS_PER_TURN keys, in order."""
-    n, keys = PUBLISH_KEYS_PER_TURN, event.keys
-    if len(keys) <= n:
-        return [event]
-    return [replace(event, keys=keys[i : i + n]) for i in range(0, len(keys), n)]
-
-
 class Server:
     def __init__(self, config: Config, notifier: Notifier | None = None) -> None:
         self.config = config
@@ -68,11 +61,24 @@ class Server:
         self._last_request = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._publish_pending = False  # a turn to send the rest of the events is due
+        self._cut = 0  # keys of the outbox's first event sent already (it goes out in slices)
         self.exit_code = 0  # 1 once a loop task or callback died
 
     # -- startup ---------------------------------------------------------------
 
     def startup(self) -> None:
+        # A warm start makes millions of objects at once: the cyclic collector
+        # would walk them again and again (a tenth of a 1M-block start). What
+        # the start made lives as long as the daemon: frozen, no collection
+        # walks it again.
+        gc.disable()
+        try:
+            self._startup()
+        finally:
+            gc.freeze()
+            gc.enable()
+
+    def _startup(self) -> None:
         cfg = self.config
         gid = group_id(cfg.group)
         runtime = cfg.runtime_path
@@ -231,14 +237,20 @@ class Server:
                 publisher.all_cleared(pool)
                 del outbox[0]
                 continue
-            if left is not None and any(len(e.keys) > PUBLISH_KEYS_PER_TURN for e in events):
-                events[:] = [part for e in events for part in _slices(e)]  # once: O(n)
             taken: list[OffloadingEvent] = []
             while events and (left is None or left > 0):
-                event = events.pop(0)
-                taken.append(event)
+                # The next `left` keys of the first event; `_cut` of them went already.
+                event, cut = events[0], self._cut
+                end = len(event.keys) if left is None else min(len(event.keys), cut + left)
+                whole = cut == 0 and end == len(event.keys)
+                taken.append(event if whole else replace(event, keys=event.keys[cut:end]))
                 if left is not None:
-                    left -= len(event.keys)
+                    left -= end - cut
+                if end == len(event.keys):
+                    events.pop(0)
+                    self._cut = 0
+                else:
+                    self._cut = end
             publisher.add(pool, taken)
             if not events:
                 del outbox[0]

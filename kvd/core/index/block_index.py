@@ -26,10 +26,10 @@ bytes an entry. So when `prepare_store` sees the dict grow after at least
 1/16 of its live count was deleted since the last growth (turnover, not a
 filling index), it copies it (`dict(d)` sizes for 1.5x), back to 42 to 52.
 The copy is O(n) once per n/16 insertions at most (at 1,000,000 blocks, once
-per ~400,000), so the amortized cost per key stays O(1).
+per ~400,000): the amortized cost per key stays O(1).
 
-Every method validates its whole batch before it mutates anything, so misuse
-raises a `KvdError` and leaves the index exactly as it was.
+Every method validates its whole batch before it mutates anything: misuse raises
+a `KvdError` and leaves the index exactly as it was.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from array import array
 from collections import Counter
 from collections.abc import Sequence
 
-from kvd.core.index.checks import adoption_map, index_problems
+from kvd.core.index.checks import adoption, index_problems
 from kvd.core.index.policies import make_policy
+from kvd.core.index.policies.adoption import AdoptingPolicy
 from kvd.core.index.types import (
     Key,
     LoadStoreSpec,
@@ -299,31 +300,30 @@ class BlockIndex:
         if self.slot_sink is not None:
             self.slot_sink.reset()
 
-    def adopt(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
-        """Fills an empty index with ready blocks already in their slots (a warm
-        restart, SPEC 13), oldest first: `keys[i]` in `slots[i]`. Every other slot
-        is free; one stored event announces them. The slot sink is not told (the
-        blocks came from it)."""
+    def adopt(
+        self, slots: Sequence[int], keys: Sequence[Key], *, policy_later: bool = False
+    ) -> None:
+        """Fills an empty index with ready blocks already in their slots (warm restart,
+        SPEC 13), oldest first: `keys[i]` in `slots[i]`; every other slot free; one
+        stored event. The sink is told once the input checked out, the slot sink
+        not (the blocks came from it). With `policy_later` the policy learns the
+        blocks a slice per `settle` (`AdoptingPolicy`): the index answers at once."""
         if self._slot_of or self._next_fresh:
             raise BadRequest("adopt needs an empty index")
-        self._slot_of = adoption_map(self.num_blocks, slots, keys)
+        state = adoption(self.num_blocks, slots, keys)
+        self._slot_of, self._key_at, self._ready, self._free = state
         self._slot_of_bytes = sys.getsizeof(self._slot_of)
-        key_at, ready = self._key_at, self._ready
-        for slot, key in zip(slots, keys, strict=True):
-            key_at[slot] = key
-            ready[slot] = 1
-        # Free slots go lowest first, as fresh ones would.
-        free, at = [], ready.find(0)
-        while at >= 0:
-            free.append(at)
-            at = ready.find(0, at + 1)
-        self._free = array("i", free[::-1])
         self._next_fresh = self.num_blocks
-        self.policy.adopt(list(slots), list(keys))
-        if keys:
-            if self.sink is not None:
-                self.sink.adopted(keys)
-            self._events.append(OffloadingEvent(list(keys), self.block_tokens, "CPU"))
+        if not keys:
+            return
+        if self.sink is not None:
+            self.sink.adopted(keys)
+        if policy_later:
+            back = lambda policy: setattr(self, "policy", policy)  # noqa: E731 - once done
+            self.policy = AdoptingPolicy(self.policy, slots, keys, back)
+        else:
+            self.policy.adopt(list(slots), list(keys))
+        self._events.append(OffloadingEvent(list(keys), self.block_tokens, "CPU"))
 
     # -- read-only views ----------------------------------------------------
 

@@ -1,15 +1,16 @@
 """Runs in the daemon (pure core): the block index's checks, its invariants and an adoption's input.
 
 `BlockIndex.check_invariants` answers with `index_problems` (SPEC section 4),
-and `BlockIndex.adopt` takes its key map from `adoption_map` (SPEC 13), kept
+and `BlockIndex.adopt` takes its state from `adoption` (SPEC 13), kept
 apart from the index's verbs. `index_problems` reads the index's private
 arrays: it is the index's own check, in a module of its own for its size.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvd.core.index.types import Key
 from kvd.errors import BadRequest
@@ -57,18 +58,39 @@ def index_problems(index: BlockIndex) -> list[str]:
     return problems
 
 
-def adoption_map(num_blocks: int, slots: Sequence[int], keys: Sequence[Key]) -> dict[Key, int]:
-    """{key: slot} of an adoption, `keys[i]` in `slots[i]`; `BadRequest` unless the
-    slots and the keys are distinct, the slots in range and the keys 1 to 64 bytes.
-    A million blocks take a few C-level passes, no Python loop per key."""
+KEY_LENGTHS = frozenset(range(1, 65))
+
+
+class Adoption(NamedTuple):
+    """An empty index's state once it adopted `keys[i]` in `slots[i]`."""
+
+    slot_of: dict[Key, int]
+    key_at: list[Key | None]
+    ready: bytearray
+    free: array[int]  # every other slot, a LIFO stack: the lowest goes first
+
+
+def adoption(num_blocks: int, slots: Sequence[int], keys: Sequence[Key]) -> Adoption:
+    """The state of an adoption (SPEC 13); `BadRequest` unless the slots and the
+    keys are distinct, the slots in range and the keys 1 to 64 bytes. A
+    million blocks take a few C-level passes and one Python loop."""
     if len(slots) != len(keys):
         raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
-    slot_of = dict(zip(keys, slots, strict=True))
-    if len(set(slots)) != len(slots) or len(slot_of) != len(keys):
-        raise BadRequest("adopt: a slot or a key appears twice")
     if slots and not (min(slots) >= 0 and max(slots) < num_blocks):
         raise BadRequest(f"adopt: a slot outside 0..{num_blocks - 1}")
-    if keys and (set(map(type, keys)) != {bytes} or not 1 <= min(map(len, keys)) <= 64
-                 or max(map(len, keys)) > 64):  # fmt: skip
+    if keys and (set(map(type, keys)) != {bytes} or not set(map(len, keys)) <= KEY_LENGTHS):
         raise BadRequest("adopt: keys must be 1 to 64 bytes")
-    return slot_of
+    slot_of = dict(zip(keys, slots, strict=True))
+    key_at: list[Key | None] = [None] * num_blocks
+    ready = bytearray(num_blocks)
+    for slot, key in zip(slots, keys, strict=True):
+        key_at[slot] = key
+        ready[slot] = 1
+    if len(slot_of) != len(keys) or ready.count(1) != len(slots):
+        raise BadRequest("adopt: a slot or a key appears twice")
+    # Free slots go lowest first, as fresh ones would.
+    free, at = [], ready.find(0)
+    while at >= 0:
+        free.append(at)
+        at = ready.find(0, at + 1)
+    return Adoption(slot_of, key_at, ready, array("i", free[::-1]))
