@@ -29,6 +29,7 @@ from kvd_client.connection import Connection
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.ready_table import (
     BUCKET_BYTES,
+    EPOCH_OFFSET,
     HEADER_BYTES,
     READY,
     STALE_NS,
@@ -36,6 +37,7 @@ from kvd_client.ready_table import (
     MappedTable,
     ReadyTable,
     TableChanged,
+    bucket_of,
 )
 from kvd_tools.launcher import DaemonProcess
 
@@ -382,14 +384,20 @@ def test_a_dead_daemons_table_stops_answering_within_its_staleness() -> None:
 
 def test_a_warm_fill_writes_the_table_the_python_writer_would(tmp_path: Path) -> None:
     """`ReadyTableWriter.adopted` in C (`kvd_client._warmstart.fill`): the same
-    buckets as one `ready` per key in Python, and readers find every key."""
+    buckets as one `ready` per key in Python taken in the C's order (by the
+    home bucket's top 16 bits, stably), and readers find every key. It runs on
+    a thread, under an odd epoch until it is done: readers ask the daemon."""
     warmstart = pytest.importorskip("kvd_client._warmstart")
     keys = [key(i) for i in range(300)] + [b"x" * 64, b"y"]
     fast, slow = writer(tmp_path, 400), writer(tmp_path, 400)
     try:
         assert warmstart.fill(fast._mm, [], fast._mask) == 0
         fast.adopted(keys)
-        slow.set_states(keys, READY)
+        assert fast._filling is not None
+        fast.wait_filled()
+        assert fast._filling is None and fast._mm[EPOCH_OFFSET] == 2  # odd while filling, even now
+        shift = max(fast._mask.bit_length() - 16, 0)
+        slow.set_states(sorted(keys, key=lambda k: bucket_of(k, slow._mask) >> shift), READY)
         for b in range(fast.num_buckets):  # each bucket but its (even) sequence counter
             at = HEADER_BYTES + b * BUCKET_BYTES
             assert fast._mm[at + 4 : at + BUCKET_BYTES] == slow._mm[at + 4 : at + BUCKET_BYTES]
@@ -401,6 +409,36 @@ def test_a_warm_fill_writes_the_table_the_python_writer_would(tmp_path: Path) ->
             fast.adopted([b"more"])
         with pytest.raises(ValueError, match="half full"):
             warmstart.fill(bytearray(HEADER_BYTES + 4 * 72), [b"1", b"2", b"3", b"4"], 3)
+        empty = bytearray(HEADER_BYTES + 8 * 72)
+        with pytest.raises(TypeError, match="list of bytes"):
+            warmstart.fill(empty, [b"1", "two"], 7)
+        assert empty == bytearray(len(empty))  # nothing written
     finally:
         fast.close()
         slow.close()
+
+
+def test_a_big_warm_fill_runs_beside_the_loop_and_writes_wait_for_it(tmp_path: Path) -> None:
+    """While a warm fill runs, lookups of the table raise `TableChanged` (the
+    client asks the daemon instead), never a wrong answer; a write waits for
+    the fill, then lands; the table then answers every key."""
+    pytest.importorskip("kvd_client._warmstart")
+    n = 200_000
+    keys = [key(i) for i in range(n)]
+    w = writer(tmp_path, n + 10)
+    try:
+        w.adopted(keys)
+        reader = ReadyTable(w._mm)
+        answers = set()
+        while w._filling is not None and w._filling.is_alive():
+            try:
+                answers.add(reader.lookup(keys[:1]))
+            except TableChanged:
+                answers.add("asks the daemon")
+        assert answers <= {"asks the daemon", 1}
+        w.set_states([b"new"], STORING)  # waits for the fill first
+        assert w._filling is None
+        assert reader.lookup(keys) == n
+        assert reader.lookup([b"new"]) is None  # being stored
+    finally:
+        w.close()

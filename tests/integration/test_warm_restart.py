@@ -255,6 +255,49 @@ def test_sigterm_keeps_the_cache_and_pool_drop_frees_it() -> None:
         d.stop()
 
 
+def test_an_adopted_segment_is_prefaulted_only_when_pages_are_missing() -> None:
+    """A segment whose every page is there is not walked again at a warm start
+    (at 300 MB, half a second of a core); one with holes (its run had prefault
+    off, or died prefaulting) is prefaulted as a new one is."""
+    d = DaemonProcess(prefault="false").start()
+    keys = [key(0), key(1)]
+
+    def hits() -> int | None:
+        with Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
+                       capacity_bytes=64 << 20) as s:  # fmt: skip
+            out = s.prepare_store(keys)  # no bytes written: the daemon never reads them
+            if out is not None and out.keys_to_store:
+                s.complete_store(out.keys_to_store)
+            return s.lookup(keys)
+
+    try:
+        assert hits() == 2
+        shm = pool_segment(d, "p")
+        d.kill(signal.SIGKILL)
+        st = os.stat("/dev/shm" + shm)
+        assert st.st_blocks * 512 < st.st_size  # holes: never prefaulted
+
+        def prefaults() -> int:
+            return d.log_path.read_text().count(f"event=prefaulted shm={shm} ")
+
+        d.flags["prefault"] = "true"
+        d.start()
+        deadline = time.monotonic() + 30
+        while prefaults() < 1:
+            assert time.monotonic() < deadline, "the adopted segment with holes was not prefaulted"
+            time.sleep(0.05)
+        assert hits() == 2
+        st = os.stat("/dev/shm" + shm)
+        assert st.st_blocks * 512 >= st.st_size
+        d.kill(signal.SIGKILL)
+        d.start()
+        assert hits() == 2
+        assert d.log_path.read_text().count("event=pool_adopted") == 2
+        assert prefaults() == 1  # every page there: not walked again
+    finally:
+        d.stop()
+
+
 def test_restart_cold_unlinks_at_shutdown_and_at_start() -> None:
     d = DaemonProcess(restart="cold").start()
     try:
