@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from kvd.config import Config
 from kvd.control.pools import PoolRegistry
 from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
+from kvd.io.event_pump import PUBLISH_KEYS_PER_TURN, EventPump
 from kvd.io.events import EventPublisher
 from kvd.io.metrics import Metrics
 from kvd.io.notify import Notifier
@@ -35,16 +35,12 @@ from kvd.io.region import Manifest, group_id
 from kvd.io.token import write_admin_token
 from kvd.version import __version__
 from kvd_client.protocol import MAX_FRAME_BYTES, Layout
-from kvd_client.types import OffloadingEvent
 
 log = logging.getLogger("kvd.io.server")
 
 
 # Deferred policy work starts once the daemon has had no request for this long.
 IDLE_S = 0.001
-# Keys of index events encoded per loop turn (a few milliseconds): a warm
-# pool's announcement of its blocks must not hold the requests back.
-PUBLISH_KEYS_PER_TURN = 4096
 
 
 class Server:
@@ -61,7 +57,7 @@ class Server:
         self._last_request = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
         self._publish_pending = False  # a turn to send the rest of the events is due
-        self._cut = 0  # keys of the outbox's first event sent already (it goes out in slices)
+        self._pump: EventPump | None = None
         self.exit_code = 0  # 1 once a loop task or callback died
 
     # -- startup ---------------------------------------------------------------
@@ -125,6 +121,7 @@ class Server:
             int_block_hashes=cfg.events_int_hashes,
             event_format=cfg.events_format,
         )
+        self._pump = EventPump(self.service, self.publisher)
         # A pool created now starts over, and so does one refused warm; an
         # adopted pool announces its blocks instead (its adoption's stored event).
         # So does each pool of an earlier run whose segment was unlinked as stale
@@ -221,42 +218,9 @@ class Server:
 
     def _publish(self, budget: int | None = PUBLISH_KEYS_PER_TURN) -> None:
         """Sends the index events of this loop turn, at most `budget` keys of them
-        (None: all): a warm restart's announcement of a million blocks goes out a
-        slice per turn, requests served in between. What is left waits, in order,
-        for the next turn, which comes at once."""
-        service, publisher = self.service, self.publisher
-        assert service is not None and publisher is not None
-        service.collect_events()
-        outbox = service.event_outbox
-        if not outbox:
-            return
-        left = budget
-        while outbox and (left is None or left > 0):
-            pool, events = outbox[0]
-            if events is None:
-                publisher.all_cleared(pool)
-                del outbox[0]
-                continue
-            taken: list[OffloadingEvent] = []
-            while events and (left is None or left > 0):
-                # The next `left` keys of the first event; `_cut` of them went already.
-                event, cut = events[0], self._cut
-                end = len(event.keys) if left is None else min(len(event.keys), cut + left)
-                whole = cut == 0 and end == len(event.keys)
-                taken.append(event if whole else replace(event, keys=event.keys[cut:end]))
-                if left is not None:
-                    left -= end - cut
-                if end == len(event.keys):
-                    events.pop(0)
-                    self._cut = 0
-                else:
-                    self._cut = end
-            publisher.add(pool, taken)
-            if not events:
-                del outbox[0]
-        publisher.flush(time.time())
-        service.counters["events_replay_dropped"] = publisher.batches_dropped
-        if outbox and not self._publish_pending:
+        (None: all; `EventPump`); the rest goes in the next turn, which comes at once."""
+        assert self._pump is not None
+        if self._pump.send(budget) and not self._publish_pending:
             self._publish_pending = True
             asyncio.get_running_loop().call_soon(self._publish_more)
 

@@ -1,0 +1,64 @@
+"""Runs in the daemon: the index events of each loop turn to the event publisher, a slice at a time.
+
+A warm restart's announcement of a million blocks is one index event; it
+goes out `PUBLISH_KEYS_PER_TURN` keys a turn, requests served in between,
+each slice cut from the event where the last one stopped (no copy of the
+whole event is made up front: at 1M keys that alone held the loop a fifth
+of a second). What is left waits, in order, for the next turn.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from kvd.control.service import Service
+from kvd.io.events import EventPublisher
+from kvd_client.types import OffloadingEvent
+
+# Keys of index events encoded per loop turn (a few milliseconds): a warm
+# pool's announcement of its blocks must not hold the requests back.
+PUBLISH_KEYS_PER_TURN = 4096
+
+
+class EventPump:
+    def __init__(self, service: Service, publisher: EventPublisher) -> None:
+        self._service = service
+        self._publisher = publisher
+        self._cut = 0  # keys of the outbox's first event sent already
+
+    def send(self, budget: int | None) -> bool:
+        """Sends at most `budget` keys of the pending events (None: all); True
+        while some are left for the next turn."""
+        service, publisher = self._service, self._publisher
+        service.collect_events()
+        outbox = service.event_outbox
+        if not outbox:
+            return False
+        left = budget
+        while outbox and (left is None or left > 0):
+            pool, events = outbox[0]
+            if events is None:
+                publisher.all_cleared(pool)
+                del outbox[0]
+                continue
+            taken: list[OffloadingEvent] = []
+            while events and (left is None or left > 0):
+                # The next `left` keys of the first event; `_cut` of them went already.
+                event, cut = events[0], self._cut
+                end = len(event.keys) if left is None else min(len(event.keys), cut + left)
+                whole = cut == 0 and end == len(event.keys)
+                taken.append(event if whole else replace(event, keys=event.keys[cut:end]))
+                if left is not None:
+                    left -= end - cut
+                if end == len(event.keys):
+                    events.pop(0)
+                    self._cut = 0
+                else:
+                    self._cut = end
+            publisher.add(pool, taken)
+            if not events:
+                del outbox[0]
+        publisher.flush(time.time())
+        service.counters["events_replay_dropped"] = publisher.batches_dropped
+        return bool(outbox)
