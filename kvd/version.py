@@ -1,11 +1,12 @@
-"""Runs in every kvd process: the package version and the wire protocol version."""
+"""Runs in every kvd process: the package version.
 
-from importlib.metadata import PackageNotFoundError, version
+The one place the daemon's version is written: `pyproject.toml` reads it from
+here (`[tool.setuptools.dynamic]`), so the installed distribution's metadata
+says the same (a test checks it) and no process start pays for
+`importlib.metadata`.
+"""
 
 # The distribution's name: `kvd` on the public index is an unrelated project.
 DISTRIBUTION = "kvd-daemon"
 
-try:
-    __version__ = version(DISTRIBUTION)
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+src"
+__version__ = "0.1.0"

@@ -7,7 +7,7 @@
    kvd_client/ready_table.py (the ready table); the tests check that both
    paths give the same answer.
 
-   scan(table, base, n) -> (slots, keys, refused, last_seq)
+   scan(table, base, n) -> (slots, keys, refused, last_seq, slot_of)
      Reads the n slot-table entries at `base` of `table` (any buffer: the
      daemon's mapping of the segment's table pages). READY entries whose
      key_len is 1..64 and whose crc (zlib crc32 of key_len u8, seq u64 LE,
@@ -15,7 +15,8 @@
      kept entries going to the highest seq (on a tie, the lowest slot).
      `slots` and `keys` list the kept, oldest store first (by seq, then slot);
      `refused` lists the slots of every other READY entry; `last_seq` is the
-     highest seq kept (0 if none).
+     highest seq kept (0 if none); `slot_of` is dict(zip(keys, slots)), built
+     here at its final size.
 
    fill(table, keys, mask) -> written
      Writes each key of `keys` (at most 64 bytes; longer ones are skipped)
@@ -34,6 +35,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <unistd.h>
 #include <zlib.h>
 
 /* kvd_client/segment.py */
@@ -156,36 +159,25 @@ static int append_slot(PyObject *list, Py_ssize_t slot)
     return rc;
 }
 
-static PyObject *scan(PyObject *self, PyObject *args)
+/* One thread's share of the entries' checks: slots lo..hi-1. */
+typedef struct {
+    const unsigned char *table;
+    Py_ssize_t lo, hi;
+    kept_t *kept; /* room for hi - lo */
+    Py_ssize_t num_kept;
+    Py_ssize_t *bad; /* room for hi - lo: READY entries that failed */
+    Py_ssize_t num_bad;
+} check_t;
+
+#define MAX_THREADS 8
+#define MIN_PER_THREAD 65536
+
+static void *check_range(void *arg)
 {
-    (void)self;
-    Py_buffer buf;
-    Py_ssize_t base, n;
-    if (!PyArg_ParseTuple(args, "y*nn", &buf, &base, &n))
-        return NULL;
-    PyObject *slots = NULL, *keys = NULL, *refused = NULL, *out = NULL;
-    kept_t *kept = NULL;
-    uint64_t *set = NULL;
-    visit_t *visit = NULL;
-    if (base < 0 || n < 0 || n > (buf.len - base) / ENTRY_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "the slot table lies outside the buffer");
-        goto done;
-    }
-    if (n >= 0xFFFFFFFFLL) { /* an index into `kept` + 1 fits 32 bits */
-        PyErr_SetString(PyExc_ValueError, "a slot table of 2**32 - 1 entries or more");
-        goto done;
-    }
-    kept = malloc(sizeof(kept_t) * (size_t)(n > 0 ? n : 1));
-    refused = PyList_New(0);
-    if (kept == NULL || refused == NULL) {
-        if (kept == NULL)
-            PyErr_NoMemory();
-        goto done;
-    }
-    const unsigned char *table = (const unsigned char *)buf.buf + base;
-    Py_ssize_t m = 0;
-    for (Py_ssize_t slot = 0; slot < n; slot++) {
-        const unsigned char *e = table + slot * ENTRY_BYTES;
+    check_t *c = arg;
+    c->num_kept = c->num_bad = 0;
+    for (Py_ssize_t slot = c->lo; slot < c->hi; slot++) {
+        const unsigned char *e = c->table + slot * ENTRY_BYTES;
         if (e[0] != ENTRY_READY)
             continue;
         unsigned int klen = e[1];
@@ -198,13 +190,80 @@ static PyObject *scan(PyObject *self, PyObject *args)
             good = (uint32_t)crc32(0L, body, sizeof body) == read_u32le(e + ENTRY_CRC);
         }
         if (good) {
-            kept[m].seq = read_u64le(e + ENTRY_SEQ);
-            kept[m].slot = slot;
-            kept[m].klen = klen;
-            m++;
-        } else if (append_slot(refused, slot) < 0) {
-            goto done;
+            kept_t *k = &c->kept[c->num_kept++];
+            k->seq = read_u64le(e + ENTRY_SEQ);
+            k->slot = slot;
+            k->klen = klen;
+        } else {
+            c->bad[c->num_bad++] = slot;
         }
+    }
+    return NULL;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer buf;
+    Py_ssize_t base, n;
+    if (!PyArg_ParseTuple(args, "y*nn", &buf, &base, &n))
+        return NULL;
+    PyObject *slots = NULL, *keys = NULL, *refused = NULL, *slot_of = NULL, *out = NULL;
+    kept_t *kept = NULL;
+    Py_ssize_t *bad = NULL;
+    uint64_t *set = NULL;
+    visit_t *visit = NULL;
+    if (base < 0 || n < 0 || n > (buf.len - base) / ENTRY_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "the slot table lies outside the buffer");
+        goto done;
+    }
+    if (n >= 0xFFFFFFFFLL) { /* an index into `kept` + 1 fits 32 bits */
+        PyErr_SetString(PyExc_ValueError, "a slot table of 2**32 - 1 entries or more");
+        goto done;
+    }
+    kept = malloc(sizeof(kept_t) * (size_t)(n > 0 ? n : 1));
+    bad = malloc(sizeof(Py_ssize_t) * (size_t)(n > 0 ? n : 1));
+    refused = PyList_New(0);
+    if (kept == NULL || bad == NULL || refused == NULL) {
+        if (refused != NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *table = (const unsigned char *)buf.buf + base;
+    /* The entries' checks, in slot ranges on up to MAX_THREADS threads without
+       the GIL; each range's kept entries then follow the one before's. */
+    int nthreads = 1;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    while (nthreads < MAX_THREADS && nthreads < cpus && (Py_ssize_t)nthreads * MIN_PER_THREAD < n)
+        nthreads++;
+    check_t parts[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        parts[t].table = table;
+        parts[t].lo = n * t / nthreads;
+        parts[t].hi = n * (t + 1) / nthreads;
+        parts[t].kept = kept + parts[t].lo;
+        parts[t].bad = bad + parts[t].lo;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 1; t < nthreads; t++)
+        started[t] = pthread_create(&threads[t], NULL, check_range, &parts[t]) == 0;
+    check_range(&parts[0]);
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t])
+            pthread_join(threads[t], NULL);
+        else
+            check_range(&parts[t]); /* no thread to be had: here, then */
+    }
+    Py_END_ALLOW_THREADS
+    Py_ssize_t m = 0;
+    for (int t = 0; t < nthreads; t++) {
+        memmove(kept + m, parts[t].kept, sizeof(kept_t) * (size_t)parts[t].num_kept);
+        m += parts[t].num_kept;
+        for (Py_ssize_t i = 0; i < parts[t].num_bad; i++)
+            if (append_slot(refused, parts[t].bad[i]) < 0)
+                goto done;
     }
     if (sort_by_seq(kept, m) < 0) {
         PyErr_NoMemory();
@@ -275,7 +334,13 @@ static PyObject *scan(PyObject *self, PyObject *args)
     }
     slots = PyList_New(winners);
     keys = PyList_New(winners);
-    if (slots == NULL || keys == NULL)
+    /* Sized for every winner at once: no resize while a million go in. */
+#if PY_VERSION_HEX < 0x030D0000
+    slot_of = _PyDict_NewPresized(winners);
+#else
+    slot_of = PyDict_New(); /* the presizing call is internal from 3.13 on */
+#endif
+    if (slots == NULL || keys == NULL || slot_of == NULL)
         goto done;
     uint64_t last_seq = 0;
     Py_ssize_t k = 0;
@@ -292,17 +357,21 @@ static PyObject *scan(PyObject *self, PyObject *args)
         }
         PyList_SET_ITEM(slots, k, slot);
         PyList_SET_ITEM(keys, k, key);
+        if (PyDict_SetItem(slot_of, key, slot) < 0)
+            goto done;
         last_seq = kept[j].seq;
         k++;
     }
-    out = Py_BuildValue("(OOOK)", slots, keys, refused, (unsigned long long)last_seq);
+    out = Py_BuildValue("(OOOKO)", slots, keys, refused, (unsigned long long)last_seq, slot_of);
 done:
     free(kept);
+    free(bad);
     free(set);
     free(visit);
     Py_XDECREF(slots);
     Py_XDECREF(keys);
     Py_XDECREF(refused);
+    Py_XDECREF(slot_of);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -407,7 +476,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(table, base, n) -> (slots, keys, refused, last_seq): the READY slot-table "
+     "scan(table, base, n) -> (slots, keys, refused, last_seq, slot_of): the READY slot-table "
      "entries whose crc holds, oldest first; SlotTable.ready_entries's reads."},
     {"fill", fill, METH_VARARGS,
      "fill(table, keys, mask) -> written: each key READY in an empty ready table."},

@@ -326,7 +326,7 @@ class PoolRegistry:
                     manifest=self._manifest,
                     adopted=True,
                 )
-                slots, keys, bad = region.table.ready_entries()
+                slots, keys, bad, slot_of = region.table.ready_map()
                 scanned = time.monotonic()
                 h = header
                 geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
@@ -337,7 +337,7 @@ class PoolRegistry:
                 pool = self._add(
                     pool_name, layout, geometry, header.generation, region, index, policy
                 )
-                index.adopt(slots, keys, policy_later=True)
+                index.adopt(slots, keys, policy_later=True, slot_of=slot_of)
                 # Jobs of the dead daemon were made before now: their hard deadlines
                 # (two job timeouts after they were made) are all behind this one.
                 hold_s = 2 * self.config.job_timeout_ms / 1000

@@ -352,13 +352,20 @@ class SlotTable:
         slot), a later duplicate of a key winning (on a tie, the lower slot):
         (slots, keys, entries refused). The refused are freed. In C where the
         package was built with it (`kvd_client._warmstart.scan`), the same answer."""
+        slots, keys, refused, _ = self.ready_map()
+        return slots, keys, refused
+
+    def ready_map(self) -> tuple[list[int], list[bytes], int, dict[bytes, int] | None]:
+        """`ready_entries`, and from C also {key: slot} of them, built at its
+        final size (a warm start's index takes it as it is); None from Python."""
         base, n = self._base, self.header.num_blocks
+        slot_of = None
         if _warmstart is not None:
-            slots, keys, refused, self.seq = _warmstart.scan(self._mm, base, n)
+            slots, keys, refused, self.seq, slot_of = _warmstart.scan(self._mm, base, n)
         else:
             slots, keys, refused, self.seq = self._scan(base, n)
         self.freed(refused)
-        return slots, keys, len(refused)
+        return slots, keys, len(refused), slot_of
 
     def _scan(self, base: int, n: int) -> tuple[list[int], list[bytes], list[int], int]:
         states = self._mm[base : base + n * ENTRY_BYTES : ENTRY_BYTES]

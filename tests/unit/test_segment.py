@@ -231,9 +231,10 @@ def test_the_c_scan_answers_as_the_python_one(written: list[tuple[int, bytes, in
                 t._mm[at + 1] = 65
             elif damage == "not_ready":
                 t._mm[at] = 0
-        slots, keys, refused, last = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
+        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
         py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
         assert (slots, keys, last) == (py_slots, py_keys, py_last)
+        assert slot_of == dict(zip(keys, slots, strict=True))
         assert sorted(refused) == sorted(py_refused)
     finally:
         os.close(fd)
@@ -257,9 +258,10 @@ def test_the_c_scan_orders_any_seqs_as_the_python_one(seqs: list[int]) -> None:
         for slot, seq in enumerate(seqs):
             t.seq = seq - 1
             t.ready([slot], [b"key%d" % (seq % 7)])
-        slots, keys, refused, last = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
+        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
         py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
         assert (slots, keys, last) == (py_slots, py_keys, py_last)
+        assert slot_of == dict(zip(keys, slots, strict=True))
         assert sorted(refused) == sorted(py_refused)
     finally:
         os.close(fd)

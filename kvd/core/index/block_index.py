@@ -93,8 +93,7 @@ class BlockIndex:
         """The number of leading keys present and ready; `None` = retry later.
 
         The run of hits stops at the first absent key; reaching a key whose
-        store is still in flight answers `None`. Changes no state.
-        """
+        store is still in flight answers `None`. Changes no state."""
         hits = 0
         for key in keys:
             slot = self._slot_of.get(key)
@@ -116,8 +115,7 @@ class BlockIndex:
         """Pins every key (`ref_cnt += 1`) and returns their slots in key order.
 
         Every key must be present (else `MissingKey`) and ready (else
-        `NotReady`); on error nothing is pinned.
-        """
+        `NotReady`); on error nothing is pinned."""
         slots = [self._ready_slot(key) for key in keys]
         refs = self._refs
         for slot in slots:
@@ -135,8 +133,7 @@ class BlockIndex:
         """Drops one load reference per key (a key listed twice drops two).
 
         A key that is absent (`MissingKey`) or holds fewer references than
-        asked (`NotPinned`) fails the whole call; no count goes negative.
-        """
+        asked (`NotPinned`) fails the whole call; no count goes negative."""
         wanted = Counter(keys)
         slots: list[tuple[int, int]] = []
         for key, count in wanted.items():
@@ -227,8 +224,7 @@ class BlockIndex:
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         """Finishes stores: success makes the not-ready keys ready (one stored
         event); failure frees the not-ready keys (no event). Keys already ready
-        are left as they are; an absent key (`MissingKey`) fails the call.
-        """
+        are left as they are; an absent key (`MissingKey`) fails the call."""
         slot_of = self._slot_of
         pending: dict[Key, int] = {}
         for key in keys:
@@ -272,8 +268,7 @@ class BlockIndex:
         more remains. Call when idle.
 
         Never changes what the verbs answer: a policy that defers work catches
-        up by itself before it next inserts or evicts.
-        """
+        up by itself before it next inserts or evicts."""
         return self.policy.settle()
 
     def has_idle_work(self) -> bool:
@@ -301,16 +296,20 @@ class BlockIndex:
             self.slot_sink.reset()
 
     def adopt(
-        self, slots: Sequence[int], keys: Sequence[Key], *, policy_later: bool = False
+        self,
+        slots: Sequence[int],
+        keys: Sequence[Key],
+        *,
+        policy_later: bool = False,
+        slot_of: dict[Key, int] | None = None,
     ) -> None:
-        """Fills an empty index with ready blocks already in their slots (warm restart,
-        SPEC 13), oldest first: `keys[i]` in `slots[i]`; every other slot free; one
-        stored event. The sink is told once the input checked out, the slot sink
-        not (the blocks came from it). With `policy_later` the policy learns the
-        blocks a slice per `settle` (`AdoptingPolicy`): the index answers at once."""
+        """Fills an empty index with ready blocks in their slots (warm restart, SPEC 13),
+        oldest first: `keys[i]` in `slots[i]`, the rest free; one stored event; the sink
+        told, the slot sink not. `policy_later`: the policy learns them a slice per
+        `settle` (`AdoptingPolicy`); `slot_of`: `dict(zip(keys, slots))`, if at hand."""
         if self._slot_of or self._next_fresh:
             raise BadRequest("adopt needs an empty index")
-        state = adoption(self.num_blocks, slots, keys)
+        state = adoption(self.num_blocks, slots, keys, slot_of)
         self._slot_of, self._key_at, self._ready, self._free = state
         self._slot_of_bytes = sys.getsizeof(self._slot_of)
         self._next_fresh = self.num_blocks

@@ -70,17 +70,24 @@ class Adoption(NamedTuple):
     free: array[int]  # every other slot, a LIFO stack: the lowest goes first
 
 
-def adoption(num_blocks: int, slots: Sequence[int], keys: Sequence[Key]) -> Adoption:
+def adoption(
+    num_blocks: int, slots: Sequence[int], keys: Sequence[Key], slot_of: dict[Key, int] | None
+) -> Adoption:
     """The state of an adoption (SPEC 13); `BadRequest` unless the slots and the
     keys are distinct, the slots in range and the keys 1 to 64 bytes. A
-    million blocks take a few C-level passes and one Python loop."""
+    million blocks take a few C-level passes and one Python loop. `slot_of`:
+    dict(zip(keys, slots)) where the caller has it (the C scan builds it at its
+    final size, from keys it checked); its keys are not checked again."""
     if len(slots) != len(keys):
         raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
     if slots and not (min(slots) >= 0 and max(slots) < num_blocks):
         raise BadRequest(f"adopt: a slot outside 0..{num_blocks - 1}")
-    if keys and (set(map(type, keys)) != {bytes} or not set(map(len, keys)) <= KEY_LENGTHS):
-        raise BadRequest("adopt: keys must be 1 to 64 bytes")
-    slot_of = dict(zip(keys, slots, strict=True))
+    if slot_of is None:
+        if keys and (set(map(type, keys)) != {bytes} or not set(map(len, keys)) <= KEY_LENGTHS):
+            raise BadRequest("adopt: keys must be 1 to 64 bytes")
+        slot_of = dict(zip(keys, slots, strict=True))
+    elif keys and (slot_of.get(keys[0]) != slots[0] or slot_of.get(keys[-1]) != slots[-1]):
+        raise BadRequest("adopt: the map given is not the keys' and the slots'")
     key_at: list[Key | None] = [None] * num_blocks
     ready = bytearray(num_blocks)
     for slot, key in zip(slots, keys, strict=True):
