@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 from kvd.core.index.policies.base import CachePolicy, Key
 
-ADOPT_SLICE = 16_384  # blocks a `settle` adopts: about 15 ms of the adaptive policy's work
+ADOPT_SLICE = 8192  # blocks a `settle` adopts: about 8 ms of the adaptive policy's work
 MAX_KEPT_KEYS = 1 << 20  # lookups and touches kept before the adoption is finished at once
 
 
