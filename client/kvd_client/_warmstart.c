@@ -16,27 +16,34 @@
      `slots` and `keys` list the kept, oldest store first (by seq, then slot);
      `refused` lists the slots of every other READY entry; `last_seq` is the
      highest seq kept (0 if none); `slot_of` is dict(zip(keys, slots)), built
-     here at its final size.
+     here as the keys are made (CPython presizes a dict to 2**17 slots at
+     most: it still grows a few times at 1M keys). The entries' checks run on
+     up to MAX_THREADS threads (those this process may run on) without the
+     GIL; each entry is read once, and what is kept comes from that copy.
 
    fill(table, keys, mask) -> written
      Writes each key of `keys` (at most 64 bytes; longer ones are skipped)
-     READY into the empty ready table `table`, the writable mapping of a table
-     no reader has seen yet (so no sequence counter moves): home bucket
+     READY into the empty ready table `table` (its writable mapping), whose
+     epoch the caller made odd: readers ask the daemon instead until it is
+     even again, so no bucket's sequence counter moves. Home bucket
      crc32(key) & mask, then linear probing to the first empty bucket. The
      keys must be distinct. They go in in the order of their home buckets, so
      the buckets a key lands in may differ from a fill in list order (any order
      makes a valid table). It runs without the GIL: other threads go on
-     meanwhile, but nothing may touch the table, and `keys` must be the
-     caller's own list, which nothing changes until it returns. A list with
-     something else than bytes in it is a TypeError, the table left as it was. */
+     meanwhile, but no other writer may touch the buckets, and `keys` must be
+     the caller's own list, which nothing changes until it returns. A list with
+     something else than bytes in it is a TypeError, the table left as it was;
+     a mask that is not a power of two less one, or that the table is too
+     small for, a ValueError. */
 
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
-#include <unistd.h>
+#include <sched.h>
 #include <zlib.h>
 
 /* kvd_client/segment.py */
@@ -53,10 +60,13 @@
 #define STATE_EMPTY 0
 #define STATE_READY 2
 
+/* A kept entry: what was read of it once, when its crc was checked (the
+   table may change under a hostile mapper meanwhile: nothing is read twice). */
 typedef struct {
     uint64_t seq;
     Py_ssize_t slot;
-    unsigned int klen; /* read once: the table may change under a hostile mapper */
+    const unsigned char *key; /* its copy, in the scan's key store */
+    unsigned int klen;
 } kept_t;
 
 typedef struct {
@@ -164,6 +174,7 @@ typedef struct {
     const unsigned char *table;
     Py_ssize_t lo, hi;
     kept_t *kept; /* room for hi - lo */
+    unsigned char *keys; /* room for (hi - lo) * MAX_KEY: the kept keys' copies, packed */
     Py_ssize_t num_kept;
     Py_ssize_t *bad; /* room for hi - lo: READY entries that failed */
     Py_ssize_t num_bad;
@@ -176,24 +187,28 @@ static void *check_range(void *arg)
 {
     check_t *c = arg;
     c->num_kept = c->num_bad = 0;
+    unsigned char *store = c->keys;
     for (Py_ssize_t slot = c->lo; slot < c->hi; slot++) {
         const unsigned char *e = c->table + slot * ENTRY_BYTES;
         if (e[0] != ENTRY_READY)
             continue;
         unsigned int klen = e[1];
         int good = 0;
+        unsigned char body[1 + 8 + MAX_KEY] = {0};
         if (klen >= 1 && klen <= MAX_KEY) {
-            unsigned char body[1 + 8 + MAX_KEY] = {0};
             body[0] = (unsigned char)klen;
             memcpy(body + 1, e + ENTRY_SEQ, 8);
             memcpy(body + 9, e + ENTRY_KEY, klen);
             good = (uint32_t)crc32(0L, body, sizeof body) == read_u32le(e + ENTRY_CRC);
         }
-        if (good) {
+        if (good) { /* what the crc covered, from the copy it was computed on */
             kept_t *k = &c->kept[c->num_kept++];
-            k->seq = read_u64le(e + ENTRY_SEQ);
+            k->seq = read_u64le(body + 1);
             k->slot = slot;
             k->klen = klen;
+            memcpy(store, body + 9, klen);
+            k->key = store;
+            store += klen;
         } else {
             c->bad[c->num_bad++] = slot;
         }
@@ -211,6 +226,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
     PyObject *slots = NULL, *keys = NULL, *refused = NULL, *slot_of = NULL, *out = NULL;
     kept_t *kept = NULL;
     Py_ssize_t *bad = NULL;
+    unsigned char *keystore = NULL;
     uint64_t *set = NULL;
     visit_t *visit = NULL;
     if (base < 0 || n < 0 || n > (buf.len - base) / ENTRY_BYTES) {
@@ -223,8 +239,10 @@ static PyObject *scan(PyObject *self, PyObject *args)
     }
     kept = malloc(sizeof(kept_t) * (size_t)(n > 0 ? n : 1));
     bad = malloc(sizeof(Py_ssize_t) * (size_t)(n > 0 ? n : 1));
+    /* Room for every key at its longest; only the pages the keys use are touched. */
+    keystore = malloc((size_t)MAX_KEY * (size_t)(n > 0 ? n : 1));
     refused = PyList_New(0);
-    if (kept == NULL || bad == NULL || refused == NULL) {
+    if (kept == NULL || bad == NULL || keystore == NULL || refused == NULL) {
         if (refused != NULL)
             PyErr_NoMemory();
         goto done;
@@ -233,7 +251,8 @@ static PyObject *scan(PyObject *self, PyObject *args)
     /* The entries' checks, in slot ranges on up to MAX_THREADS threads without
        the GIL; each range's kept entries then follow the one before's. */
     int nthreads = 1;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t allowed;
+    long cpus = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? CPU_COUNT(&allowed) : 1;
     while (nthreads < MAX_THREADS && nthreads < cpus && (Py_ssize_t)nthreads * MIN_PER_THREAD < n)
         nthreads++;
     check_t parts[MAX_THREADS];
@@ -245,6 +264,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
         parts[t].hi = n * (t + 1) / nthreads;
         parts[t].kept = kept + parts[t].lo;
         parts[t].bad = bad + parts[t].lo;
+        parts[t].keys = keystore + (size_t)parts[t].lo * MAX_KEY;
     }
     Py_BEGIN_ALLOW_THREADS
     for (int t = 1; t < nthreads; t++)
@@ -297,7 +317,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
             run_start--;
         for (Py_ssize_t j = run_start; j < i; j++) { /* lowest slot first */
             visit[v].j = j;
-            visit[v].hash = key_hash(table + kept[j].slot * ENTRY_BYTES + ENTRY_KEY, kept[j].klen);
+            visit[v].hash = key_hash(kept[j].key, kept[j].klen);
             v++;
         }
         i = run_start;
@@ -307,7 +327,6 @@ static PyObject *scan(PyObject *self, PyObject *args)
         if (v + PREFETCH < m)
             __builtin_prefetch(&set[visit[v + PREFETCH].hash & (cap - 1)], 1);
         Py_ssize_t j = visit[v].j;
-        const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
         unsigned int klen = kept[j].klen;
         uint64_t tag = visit[v].hash & 0xFFFFFFFF00000000ULL;
         size_t c = (size_t)visit[v].hash & (cap - 1);
@@ -315,8 +334,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
         while (set[c] != 0) {
             if ((set[c] & 0xFFFFFFFF00000000ULL) == tag) {
                 const kept_t *other = &kept[(set[c] & 0xFFFFFFFFULL) - 1];
-                const unsigned char *o = table + other->slot * ENTRY_BYTES;
-                if (other->klen == klen && memcmp(o + ENTRY_KEY, e + ENTRY_KEY, klen) == 0) {
+                if (other->klen == klen && memcmp(other->key, kept[j].key, klen) == 0) {
                     dup = 1;
                     break;
                 }
@@ -334,7 +352,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
     }
     slots = PyList_New(winners);
     keys = PyList_New(winners);
-    /* Sized for every winner at once: no resize while a million go in. */
+    /* Presized as far as CPython goes (2**17 slots). */
 #if PY_VERSION_HEX < 0x030D0000
     slot_of = _PyDict_NewPresized(winners);
 #else
@@ -347,9 +365,8 @@ static PyObject *scan(PyObject *self, PyObject *args)
     for (Py_ssize_t j = 0; j < m; j++) {
         if (kept[j].slot < 0)
             continue;
-        const unsigned char *e = table + kept[j].slot * ENTRY_BYTES;
         PyObject *slot = PyLong_FromSsize_t(kept[j].slot);
-        PyObject *key = PyBytes_FromStringAndSize((const char *)e + ENTRY_KEY, kept[j].klen);
+        PyObject *key = PyBytes_FromStringAndSize((const char *)kept[j].key, kept[j].klen);
         if (slot == NULL || key == NULL) {
             Py_XDECREF(slot);
             Py_XDECREF(key);
@@ -366,6 +383,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
 done:
     free(kept);
     free(bad);
+    free(keystore);
     free(set);
     free(visit);
     Py_XDECREF(slots);
@@ -388,13 +406,19 @@ static PyObject *fill(PyObject *self, PyObject *args)
     Py_buffer buf;
     PyObject *keys;
     unsigned long long mask;
-    if (!PyArg_ParseTuple(args, "w*O!K", &buf, &PyList_Type, &keys, &mask))
+    PyObject *mask_obj;
+    if (!PyArg_ParseTuple(args, "w*O!O!", &buf, &PyList_Type, &keys, &PyLong_Type, &mask_obj))
         return NULL;
+    mask = PyLong_AsUnsignedLongLong(mask_obj); /* a negative or too big mask: an error */
+    if (mask == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
     PyObject *out = NULL;
     fill_t *items = NULL, *order = NULL;
     size_t *count = NULL;
     if (buf.len < TABLE_HEADER ||
-        (unsigned long long)(buf.len - TABLE_HEADER) / BUCKET_BYTES < mask + 1 ||
+        mask >= (unsigned long long)(buf.len - TABLE_HEADER) / BUCKET_BYTES ||
         (mask & (mask + 1)) != 0) {
         PyErr_SetString(PyExc_ValueError, "the ready table is smaller than its mask says");
         goto done;

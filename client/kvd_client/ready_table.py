@@ -2,8 +2,9 @@
 
 The daemon publishes which keys of a pool are ready, and which are being
 stored, in a shared-memory table that schedulers map read-only, so that a
-lookup costs no message. One writer (the daemon's event loop), any number of
-readers, no locks: every bucket carries a sequence counter, odd while the
+lookup costs no message. One writer at a time (the daemon's event loop; a
+warm restart's fill on a thread, under an odd epoch, before the loop writes
+again), any number of readers, no locks: every bucket carries a sequence counter, odd while the
 writer changes the bucket (the kernel's seqlock), and a reader that sees it
 odd, or changed across its read, reads again, a bounded number of times,
 then reports a miss. A hit is only ever a bucket read whole and unchanged,
@@ -20,7 +21,8 @@ its read.
 Keys go to bucket `crc32(key) & (num_buckets - 1)` (`bucket_of`; zlib's
 CRC-32, which both Python and C have at hand), then linear probing; num_buckets is a power
 of two at least twice the pool's blocks, so probes stay short. A reset bumps
-`epoch` (odd while the buckets are being cleared); a reader whose lookup
+`epoch` (odd while the buckets are being cleared, or a warm restart's
+blocks written in); a reader whose lookup
 straddles a change of epoch answers from the RPC path instead. The daemon
 writes `alive_ns` (CLOCK_MONOTONIC, shared by every process of the host) at
 least every half second; a table not written for `STALE_NS` belongs to a

@@ -1,10 +1,12 @@
 """Runs in the daemon: the index events of each loop turn to the event publisher, a slice at a time.
 
-A warm restart's announcement of a million blocks is one index event; it
-goes out `PUBLISH_KEYS_PER_TURN` keys a turn, requests served in between,
-each slice cut from the event where the last one stopped (no copy of the
-whole event is made up front: at 1M keys that alone held the loop a fifth
-of a second). What is left waits, in order, for the next turn.
+Each turn sends events until `PUBLISH_KEYS_PER_TURN` keys went (the last
+one whole: an event of at most that many keys is never cut). A longer one,
+such as a warm restart's announcement of a million blocks, goes out that
+many keys a turn, requests served in between, each slice cut from the event
+where the last one stopped (no copy of the whole event is made up front:
+at 1M keys that alone held the loop a fifth of a second). What is left
+waits, in order, for the next turn.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ class EventPump:
                 continue
             taken: list[OffloadingEvent] = []
             while events and (left is None or left > 0):
-                # The next `left` keys of the first event; `_cut` of them went already.
-                event, cut = events[0], self._cut
-                end = len(event.keys) if left is None else min(len(event.keys), cut + left)
-                whole = cut == 0 and end == len(event.keys)
+                # An event of at most one turn's keys goes whole; a longer one a
+                # turn's keys at a time (`_cut` of them went already).
+                event, cut, n = events[0], self._cut, len(events[0].keys)
+                end = n if left is None else min(n, cut + PUBLISH_KEYS_PER_TURN)
+                whole = cut == 0 and end == n
                 taken.append(event if whole else replace(event, keys=event.keys[cut:end]))
                 if left is not None:
                     left -= end - cut
-                if end == len(event.keys):
+                if end == n:
                     events.pop(0)
                     self._cut = 0
                 else:

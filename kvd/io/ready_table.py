@@ -1,12 +1,16 @@
 """Runs in the daemon: writes a pool's ready table, its ready set in shared memory (SPEC 15).
 
 The layout, the states and the readers are in `kvd_client.ready_table`. The
-daemon's event loop is the only writer: the pool's `BlockIndex` tells its
+daemon's event loop writes it: the pool's `BlockIndex` tells its
 sink (`kvd.core.index.types.ReadySink`, which this class is) of every key
 whose state changes (`storing` at `prepare_store`, `ready` at a successful
 `complete_store`, `gone` when it is evicted or its store fails) and `reset`
 when it is emptied, in the same step as the change, before the daemon
-answers anyone. Each bucket is written under its sequence
+answers anyone. The one other writer is a warm restart's fill (`adopted`),
+on a thread of its own while the loop goes on, under an odd epoch: readers
+ask the daemon until it is done, and the loop's own writes to the table
+wait for it (a join on the loop: a few tenths of a second at 1M blocks, and
+only if a write comes that early). Each bucket is written under its sequence
 counter (odd while it changes), so readers never take a lock and the writer
 never waits for one.
 
@@ -233,6 +237,7 @@ class ReadyTableWriter:
     def _rewrite(self, live: list[tuple[bytes, int]]) -> None:
         mm = self._mm
         self.begin_reset()  # odd: readers ask the daemon
+        self._fill_failed = False  # every bucket is written again: the table is whole
         for i in range(self.num_buckets):
             off = HEADER_BYTES + i * BUCKET_BYTES
             if mm[off + 4] != EMPTY:

@@ -356,8 +356,8 @@ class SlotTable:
         return slots, keys, refused
 
     def ready_map(self) -> tuple[list[int], list[bytes], int, dict[bytes, int] | None]:
-        """`ready_entries`, and from C also {key: slot} of them, built at its
-        final size (a warm start's index takes it as it is); None from Python."""
+        """`ready_entries`, and from C also {key: slot} of them, built with the
+        keys (a warm start's index takes it as it is); None from Python."""
         base, n = self._base, self.header.num_blocks
         slot_of = None
         if _warmstart is not None:

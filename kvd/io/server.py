@@ -39,8 +39,10 @@ from kvd_client.protocol import MAX_FRAME_BYTES, Layout
 log = logging.getLogger("kvd.io.server")
 
 
-# Deferred policy work starts once the daemon has had no request for this long.
+# Deferred policy work starts once the daemon has had no request for this long,
+# and yields the loop after about this long (a warm start's policy takes ~1 s).
 IDLE_S = 0.001
+IDLE_TURN_S = 0.010
 
 
 class Server:
@@ -64,14 +66,18 @@ class Server:
 
     def startup(self) -> None:
         # A warm start makes millions of objects at once: the cyclic collector
-        # would walk them again and again (a tenth of a 1M-block start). What
-        # the start made lives as long as the daemon: frozen, no collection
-        # walks it again.
+        # would walk them again and again as they come (a tenth of a 1M-block
+        # start). It runs again once they are all there.
         gc.disable()
         try:
             self._startup()
+        except BaseException:
+            if self.pools is not None:  # no fill thread left writing a table at exit
+                for pool in self.pools:
+                    if pool.table is not None:
+                        pool.table.wait_filled()
+            raise
         finally:
-            gc.freeze()
             gc.enable()
 
     def _startup(self) -> None:
@@ -211,9 +217,13 @@ class Server:
             # have 1 ms resolution, so a shorter wait would spin).
             self._idle_timer = loop.call_later(IDLE_S, self._when_idle)
             return
+        until = time.monotonic() + IDLE_TURN_S
         while service.settle():
             if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 loop.call_soon(self._drain)
+                break
+            if time.monotonic() > until:  # the timers and the events get their turn
+                self._idle_timer = loop.call_later(0, self._when_idle)
                 break
 
     def _publish(self, budget: int | None = PUBLISH_KEYS_PER_TURN) -> None:

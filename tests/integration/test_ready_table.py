@@ -442,3 +442,37 @@ def test_a_big_warm_fill_runs_beside_the_loop_and_writes_wait_for_it(tmp_path: P
         assert reader.lookup([b"new"]) is None  # being stored
     finally:
         w.close()
+
+
+def test_a_failed_warm_fill_leaves_readers_asking_the_daemon_until_a_reset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fill that raises (a bug, not a state) is logged; the table then never
+    answers (its epoch stays odd: readers ask the daemon), until a reset
+    writes every bucket again."""
+    import kvd.io.ready_table as ready_table
+
+    class Broken:
+        @staticmethod
+        def fill(*args: object) -> int:
+            raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(ready_table, "_warmstart", Broken)
+    w = writer(tmp_path, 100)
+    try:
+        with caplog.at_level("ERROR", logger="kvd.io.ready_table"):
+            w.adopted([key(i) for i in range(10)])
+            w.wait_filled()
+        assert "event=ready_table_fill_failed" in caplog.text
+        reader = ReadyTable(w._mm)
+        with pytest.raises(TableChanged):
+            reader.lookup([key(1)])
+        w.set_states([key(50)], READY)
+        with pytest.raises(TableChanged):
+            reader.lookup([key(50)])
+        w.reset()
+        w.set_states([key(51)], READY)
+        assert reader.lookup([key(51)]) == 1
+        assert reader.lookup([key(1)]) == 0
+    finally:
+        w.close()

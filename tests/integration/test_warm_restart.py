@@ -426,9 +426,9 @@ def test_an_adopted_pool_announces_its_blocks_not_a_clear() -> None:
 
 def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_served() -> None:
     """10,000 adopted blocks: announced exactly once each, a slice per loop turn
-    (kvd.io.server.PUBLISH_KEYS_PER_TURN), and an eviction after the restart is
+    (kvd.io.event_pump.PUBLISH_KEYS_PER_TURN), and an eviction after the restart is
     announced after the BlockStored of the block it evicts."""
-    from kvd.io.server import PUBLISH_KEYS_PER_TURN
+    from kvd.io.event_pump import PUBLISH_KEYS_PER_TURN
 
     n, row = 10_000, 256
     layout = Layout("big", "int8", 16, 1, False, row)

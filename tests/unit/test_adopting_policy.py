@@ -46,6 +46,8 @@ steps = st.lists(
         st.tuples(st.just("touch"), st.lists(st.integers(0, 80), min_size=1, max_size=6)),
         st.tuples(st.just("settle"), st.just([])),
         st.tuples(st.just("store"), st.lists(st.integers(100, 200), min_size=1, max_size=8)),
+        st.tuples(st.just("again"), st.just([])),  # the last lookup once more
+        st.tuples(st.just("reset"), st.just([])),
     ),
     max_size=30,
 )
@@ -70,9 +72,13 @@ def _compare(policy: str, work: list[tuple[str, list[int]]], n_ready: int, seed:
     at_once = _adopted(policy, False, n_ready, seed)
     sliced = _adopted(policy, True, n_ready, seed)
     assert isinstance(sliced.policy, AdoptingPolicy)
+    last: list[bytes] = [_key(0)]
     for verb, ids in work:
         keys = [_key(i) for i in ids]
+        if verb == "again":
+            verb, keys = "lookup", last
         if verb == "lookup":
+            last = keys
             assert sliced.lookup(keys) == at_once.lookup(keys)
             continue
         for index in (at_once, sliced):
@@ -80,11 +86,14 @@ def _compare(policy: str, work: list[tuple[str, list[int]]], n_ready: int, seed:
                 index.touch(keys)
             elif verb == "settle":
                 index.settle()
+            elif verb == "reset":
+                index.reset()
             else:
                 out = index.prepare_store(keys)
                 if out is not None:
                     index.complete_store(out.keys_to_store)
-        if verb == "store":
+        if verb in ("store", "reset"):
+            assert not isinstance(sliced.policy, AdoptingPolicy)
             assert _order(sliced) == _order(at_once)
     while sliced.settle():
         pass
@@ -122,13 +131,12 @@ def test_lookups_and_loads_answer_at_once_while_the_policy_learns(
 def test_a_long_backlog_finishes_the_adoption_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adoption_module, "ADOPT_SLICE", 4)
     monkeypatch.setattr(adoption_module, "MAX_KEPT_KEYS", 10)
-    index = _adopted("lru", True, N, 0)
+    index = _adopted("adaptive", True, N, 0)
     for i in range(5):
         index.lookup([_key(i), _key(i + 1)])  # 2 keys each: 10 kept, not over yet
     assert isinstance(index.policy, AdoptingPolicy)
     index.touch([_key(9)])  # the 11th
     assert not isinstance(index.policy, AdoptingPolicy)
-    assert not index.has_idle_work()
     assert len(index.policy) == N
 
 
@@ -138,3 +146,26 @@ def test_an_empty_adoption_needs_no_slices() -> None:
     assert not isinstance(index.policy, AdoptingPolicy)
     assert not index.has_idle_work()
     assert index.take_events() == []
+
+
+def test_a_reset_while_adopting_drops_what_is_left_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adoption_module, "ADOPT_SLICE", 4)
+    index = _adopted("adaptive", True, N, 0)
+    adopting = index.policy
+    assert isinstance(adopting, AdoptingPolicy)
+    index.lookup([_key(1)])
+    index.reset()
+    assert not isinstance(index.policy, AdoptingPolicy)
+    assert adopting._at == 0  # nothing more was adopted to be thrown away
+    assert len(index.policy) == 0 and index.check_invariants() == []
+
+
+def test_lookups_are_kept_only_for_a_policy_that_learns_from_them() -> None:
+    lru, adaptive = _adopted("lru", True, N, 0), _adopted("adaptive", True, N, 0)
+    for index in (lru, adaptive):
+        for _ in range(3):
+            index.lookup([_key(1), _key(2)])  # the same lookup again: kept once
+        index.lookup([_key(3)])
+    assert isinstance(lru.policy, AdoptingPolicy) and isinstance(adaptive.policy, AdoptingPolicy)
+    assert lru.policy._num_kept_keys == 0
+    assert adaptive.policy._num_kept_keys == 3

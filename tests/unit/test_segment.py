@@ -8,6 +8,7 @@ killed at that instant leaves behind.
 from __future__ import annotations
 
 import os
+import random
 import struct
 from collections.abc import Iterator
 
@@ -265,6 +266,42 @@ def test_the_c_scan_orders_any_seqs_as_the_python_one(seqs: list[int]) -> None:
         assert sorted(refused) == sorted(py_refused)
     finally:
         os.close(fd)
+
+
+def test_the_c_scan_of_a_big_table_on_threads_answers_as_the_python_one() -> None:
+    """Past 65,536 entries the C's checks run on threads, each on a slot range:
+    damage, duplicates across ranges and empty entries give the same answer."""
+    n = 3 * 65536 + 7
+    h = header(num_blocks=n)
+    fd = os.memfd_create("kvd-test-scan-big")
+    rng = random.Random(5)
+    try:
+        t = table_on(fd, h)
+        for slot in range(n):
+            if slot % 11 == 3:
+                continue  # never written
+            t.seq = rng.randrange(1 << 40)
+            t.ready([slot], [b"k%d" % rng.randrange(n)])  # some keys twice, anywhere
+            if slot % 97 == 5:
+                t._mm[h.table_offset + slot * ENTRY_BYTES + 4] ^= 0x10  # a torn crc
+        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, n)
+        py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, n)
+        assert (slots, keys, last) == (py_slots, py_keys, py_last)
+        assert sorted(refused) == sorted(py_refused)
+        assert slot_of == dict(zip(keys, slots, strict=True))
+        assert len(refused) > n // 97
+    finally:
+        os.close(fd)
+
+
+def test_an_adoption_refuses_a_map_that_is_not_its_keys_and_slots() -> None:
+    index = BlockIndex(8)
+    with pytest.raises(KvdError, match="not the keys"):
+        index.adopt([1, 2], [b"a", b"b"], slot_of={b"a": 2, b"b": 1})
+    with pytest.raises(KvdError, match="twice"):
+        index.adopt([3, 2, 3], [b"a", b"b", b"a"], slot_of={b"a": 3, b"b": 2})
+    index.adopt([1, 2], [b"a", b"b"], slot_of={b"a": 1, b"b": 2})
+    assert index.lookup([b"a", b"b"]) == 2 and index.check_invariants() == []
 
 
 def test_the_c_scan_refuses_a_table_outside_its_buffer() -> None:

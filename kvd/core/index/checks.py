@@ -76,8 +76,8 @@ def adoption(
     """The state of an adoption (SPEC 13); `BadRequest` unless the slots and the
     keys are distinct, the slots in range and the keys 1 to 64 bytes. A
     million blocks take a few C-level passes and one Python loop. `slot_of`:
-    dict(zip(keys, slots)) where the caller has it (the C scan builds it at its
-    final size, from keys it checked); its keys are not checked again."""
+    dict(zip(keys, slots)) where the caller has it (the C scan builds it with
+    the keys, which it checked); its keys are not checked again."""
     if len(slots) != len(keys):
         raise BadRequest(f"adopt: {len(slots)} slots for {len(keys)} keys")
     if slots and not (min(slots) >= 0 and max(slots) < num_blocks):

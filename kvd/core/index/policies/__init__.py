@@ -2,7 +2,9 @@
 
 Each policy implements `CachePolicy` (see its docstrings for the contract) on
 slot ids; `SlotLists` and `GhostLists` are the flat-array building blocks.
-A new policy is one module here and one entry in `POLICIES`.
+A new policy is one module here and one entry in `POLICIES`. `adoption.py`
+is not a policy but a stage in front of one: a warm restart's blocks taught
+to the pool's policy a slice at a time (`AdoptingPolicy`).
 """
 
 from __future__ import annotations

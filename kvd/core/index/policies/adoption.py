@@ -14,11 +14,17 @@ each `settle` (the daemon's idle work):
 The lookups and touches it is told meanwhile are kept, in order, and given
 to the policy once it holds every block, so that the policy ends exactly as
 if it had adopted them all first (each policy's `adopt` of consecutive
-slices is its `adopt` of the whole: the tests check it). Anything else it is
-asked (insert, evict, remove, clear, and its views) first finishes the
-adoption at once, as does a backlog of more than `MAX_KEPT_KEYS` kept keys.
-Nothing has to wait for it in the daemon: a pool adopted warm holds stores
-(the only inserts and evictions) for two job timeouts.
+slices is its `adopt` of the whole: `CachePolicy.adopt`'s contract, which the
+tests check). Lookups are kept only for a policy that learns from them, and
+a lookup equal to the last one kept is not kept again (the adaptive policy
+sees such a repeat once anyway). A `clear` drops what is left to adopt.
+Anything else it is asked (insert, evict, remove, and its views) first
+finishes the adoption at once, on the caller's time, as does a backlog of
+more than `MAX_KEPT_KEYS` kept keys. In the daemon that is rare: a pool
+adopted warm holds stores (the only inserts and evictions) for two job
+timeouts, and the daemon's idle turns are enough to finish a million
+blocks in about a second; a daemon never idle for a millisecond finishes it
+at its first store after that, or after a million kept keys.
 
 Once done, it hands the index its policy back (`done`), and passes every
 call straight on should anyone still hold it.
@@ -51,7 +57,10 @@ class AdoptingPolicy(CachePolicy):
         self._keys = list(keys)
         self._at = 0  # slots[:_at] are adopted
         self._kept: list[tuple[bool, Sequence[int] | Sequence[Key]]] = []  # (is_touch, batch)
-        self._kept_keys = 0
+        self._num_kept_keys = 0
+        self._last_lookup: list[Key] | None = None  # the last lookup kept
+        # Only a policy that overrides the hook learns from lookups.
+        self._learns = type(policy).record_lookup is not CachePolicy.record_lookup
         self._done = done
 
     @property
@@ -74,7 +83,8 @@ class AdoptingPolicy(CachePolicy):
             if self._at < len(self._slots):
                 return True
         if self._slots:  # the last slice is in: what was kept, then the policy back
-            kept, self._kept, self._kept_keys = self._kept, [], 0
+            kept, self._kept, self._num_kept_keys = self._kept, [], 0
+            self._last_lookup = None
             self._slots, self._keys = [], []
             for is_touch, batch in kept:
                 if is_touch:
@@ -86,17 +96,20 @@ class AdoptingPolicy(CachePolicy):
 
     def _keep(self, is_touch: bool, batch: Sequence[int] | Sequence[Key]) -> None:
         self._kept.append((is_touch, batch))
-        self._kept_keys += len(batch)
-        if self._kept_keys > MAX_KEPT_KEYS:
+        self._num_kept_keys += len(batch)
+        if self._num_kept_keys > MAX_KEPT_KEYS:
             self.finish()
 
     # -- what it keeps while adopting -------------------------------------------
 
     def record_lookup(self, keys: Sequence[Key]) -> None:
-        if self.adopting:
-            self._keep(False, list(keys))
-        else:
+        if not self.adopting:
             self.policy.record_lookup(keys)
+        elif self._learns:
+            lookup = list(keys)
+            if lookup != self._last_lookup:
+                self._last_lookup = lookup
+                self._keep(False, lookup)
 
     def touch(self, slots: Iterable[int]) -> None:
         if self.adopting:
@@ -130,7 +143,11 @@ class AdoptingPolicy(CachePolicy):
         return self.finish().evict(n, protected)
 
     def clear(self) -> None:
-        self.finish().clear()
+        """Every block gone (the pool reset): nothing left to adopt or replay."""
+        self._slots, self._keys, self._at = [], [], 0
+        self._kept, self._num_kept_keys, self._last_lookup = [], 0, None
+        self.policy.clear()
+        self._done(self.policy)
 
     def __len__(self) -> int:
         return len(self.finish())

@@ -50,7 +50,9 @@ class CachePolicy(ABC):
     def adopt(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         """Makes each of `slots` resident with a ready block of an earlier run (a
         warm restart, SPEC 13), oldest store first, so that the last ends the
-        most recent. By default `insert` in that order."""
+        most recent. By default `insert` in that order. Adopting consecutive
+        slices, in order, must leave the policy as adopting them all at once
+        (`AdoptingPolicy` relies on it)."""
         self.insert(slots, keys)
 
     @abstractmethod
