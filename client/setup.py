@@ -39,7 +39,8 @@ setup(
         ),
         Extension(
             "kvd_client._warmstart",
-            sources=["kvd_client/_warmstart.c"],
+            sources=["kvd_client/_warmstart.c", "kvd_client/_warmscan.c"],
+            depends=["kvd_client/_warmstart.h"],
             optional=True,
             libraries=["z"],
             extra_compile_args=["-O3"],
