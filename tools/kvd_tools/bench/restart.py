@@ -6,8 +6,11 @@ through this process's own mapping of the rows, then `complete_store`), the
 daemon is SIGKILLed and started again on the same runtime dir. Reported:
 blocks ready before and after, blocks verified (ready after the restart,
 found by a lookup, and holding the bytes written for their key), seconds
-from the new daemon's start (its process spawned) to the first lookup hit,
-and the adoption's own seconds from the daemon's log.
+from the new daemon's start (its process spawned) to the first lookup hit
+of a new scheduler, which connects as soon as the daemon's control socket is
+there (as an engine's would: no other round trip first), and the adoption's
+own seconds from the daemon's log. The keys are shaped as vLLM's offload
+keys (a 32-byte hash, then KV-cache group 0).
 
 The slot table's cost on the store path: `prepare_store` + `complete_store`
 of batches of 64 new keys on a full `BlockIndex` (every batch evicts), with
@@ -83,6 +86,25 @@ def _store_cost(num_blocks: int, with_table: bool) -> float:
             os.close(fd)
 
 
+def _wait_for_new_socket(daemon: DaemonProcess, stale: tuple[int, int], t0: float) -> None:
+    """Until the new daemon bound its control socket (a new file in place of the
+    dead one's): the scheduler then connects at once, as an engine's would."""
+    from kvd_tools.bench.suites import SuiteError
+
+    while True:
+        try:
+            st = daemon.socket_path.stat()
+            if (st.st_ino, st.st_ctime_ns) != stale:
+                return
+        except FileNotFoundError:
+            pass
+        if daemon.proc is not None and daemon.proc.poll() is not None:
+            raise SuiteError(f"the daemon exited with {daemon.proc.returncode}")
+        if time.monotonic() - t0 > 120:
+            raise SuiteError("the daemon did not listen within 120 s of the restart")
+        time.sleep(0.002)
+
+
 def _blocks_ready(endpoint: str) -> int:
     """The bench pool's ready blocks, as the daemon counts them (`Pools`)."""
     from kvd_client import protocol as p
@@ -141,9 +163,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     s.complete_store(batch)
             before = _blocks_ready(daemon.endpoint)
             daemon.kill(signal.SIGKILL)
+            st = daemon.socket_path.stat()  # the dead daemon's socket file
+            stale = (st.st_ino, st.st_ctime_ns)
             t0 = time.monotonic()
             daemon.start(wait=False)
-            daemon.wait_ready(timeout=120)
+            _wait_for_new_socket(daemon, stale, t0)
             with Scheduler("bench-restart", layout, engine_id="bench2", endpoint=daemon.endpoint,
                            timeout_ms=60_000) as s:  # fmt: skip
                 while s.lookup(keys[:1]) != 1:
