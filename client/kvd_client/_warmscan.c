@@ -101,12 +101,7 @@ static int sort_by_seq(kept_t *kept, Py_ssize_t m)
         memset(count, 0, sizeof(size_t) * 65536);
         for (Py_ssize_t j = 0; j < m; j++)
             count[(from[j].seq >> shift) & 0xFFFF]++;
-        size_t at = 0;
-        for (size_t d = 0; d < 65536; d++) {
-            size_t c = count[d];
-            count[d] = at;
-            at += c;
-        }
+        counts_to_starts(count);
         for (Py_ssize_t j = 0; j < m; j++)
             to[count[(from[j].seq >> shift) & 0xFFFF]++] = from[j];
         kept_t *t = from;

@@ -124,12 +124,7 @@ static PyObject *fill(PyObject *self, PyObject *args)
             items[j].bucket = crc32(0L, items[j].data, (uInt)items[j].len) & mask;
             count[items[j].bucket >> shift]++;
         }
-        size_t at = 0;
-        for (size_t d = 0; d < 65536; d++) {
-            size_t c = count[d];
-            count[d] = at;
-            at += c;
-        }
+        counts_to_starts(count);
         for (Py_ssize_t j = 0; j < m; j++)
             order[count[items[j].bucket >> shift]++] = items[j];
         for (Py_ssize_t j = 0; j < m; j++) {

@@ -450,7 +450,7 @@ def test_a_failed_warm_fill_leaves_readers_asking_the_daemon_until_a_reset(
     """A fill that raises (a bug, not a state) is logged; the table then never
     answers (its epoch stays odd: readers ask the daemon), until a reset
     writes every bucket again."""
-    import kvd.io.ready_table as ready_table
+    from kvd.io import ready_table
 
     class Broken:
         @staticmethod

@@ -73,10 +73,8 @@ def _compare(policy: str, work: list[tuple[str, list[int]]], n_ready: int, seed:
     sliced = _adopted(policy, True, n_ready, seed)
     assert isinstance(sliced.policy, AdoptingPolicy)
     last: list[bytes] = [_key(0)]
-    for verb, ids in work:
-        keys = [_key(i) for i in ids]
-        if verb == "again":
-            verb, keys = "lookup", last
+    for step, ids in work:
+        verb, keys = ("lookup", last) if step == "again" else (step, [_key(i) for i in ids])
         if verb == "lookup":
             last = keys
             assert sliced.lookup(keys) == at_once.lookup(keys)

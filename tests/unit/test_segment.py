@@ -203,6 +203,18 @@ def test_adopt_refuses_bad_input_and_changes_nothing() -> None:
 
 warmstart = pytest.importorskip("kvd_client._warmstart")
 
+
+def assert_the_scans_agree(t: SlotTable, h: SegmentHeader) -> int:
+    """The C scan's answer is the Python one's (and its map the keys' and slots');
+    returns the number of entries refused."""
+    slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
+    py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
+    assert (slots, keys, last) == (py_slots, py_keys, py_last)
+    assert slot_of == dict(zip(keys, slots, strict=True))
+    assert sorted(refused) == sorted(py_refused)
+    return len(refused)
+
+
 entries = st.lists(
     st.tuples(
         st.integers(0, 15),  # slot
@@ -232,11 +244,7 @@ def test_the_c_scan_answers_as_the_python_one(written: list[tuple[int, bytes, in
                 t._mm[at + 1] = 65
             elif damage == "not_ready":
                 t._mm[at] = 0
-        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
-        py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
-        assert (slots, keys, last) == (py_slots, py_keys, py_last)
-        assert slot_of == dict(zip(keys, slots, strict=True))
-        assert sorted(refused) == sorted(py_refused)
+        assert_the_scans_agree(t, h)
     finally:
         os.close(fd)
 
@@ -259,11 +267,7 @@ def test_the_c_scan_orders_any_seqs_as_the_python_one(seqs: list[int]) -> None:
         for slot, seq in enumerate(seqs):
             t.seq = seq - 1
             t.ready([slot], [b"key%d" % (seq % 7)])
-        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, h.num_blocks)
-        py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, h.num_blocks)
-        assert (slots, keys, last) == (py_slots, py_keys, py_last)
-        assert slot_of == dict(zip(keys, slots, strict=True))
-        assert sorted(refused) == sorted(py_refused)
+        assert_the_scans_agree(t, h)
     finally:
         os.close(fd)
 
@@ -284,12 +288,8 @@ def test_the_c_scan_of_a_big_table_on_threads_answers_as_the_python_one() -> Non
             t.ready([slot], [b"k%d" % rng.randrange(n)])  # some keys twice, anywhere
             if slot % 97 == 5:
                 t._mm[h.table_offset + slot * ENTRY_BYTES + 4] ^= 0x10  # a torn crc
-        slots, keys, refused, last, slot_of = warmstart.scan(t._mm, h.table_offset, n)
-        py_slots, py_keys, py_refused, py_last = t._scan(h.table_offset, n)
-        assert (slots, keys, last) == (py_slots, py_keys, py_last)
-        assert sorted(refused) == sorted(py_refused)
-        assert slot_of == dict(zip(keys, slots, strict=True))
-        assert len(refused) > n // 97
+        refused = assert_the_scans_agree(t, h)
+        assert refused > n // 97
     finally:
         os.close(fd)
 
