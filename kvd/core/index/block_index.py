@@ -297,8 +297,8 @@ class BlockIndex:
 
     def adopt(
         self,
-        slots: Sequence[int],
-        keys: Sequence[Key],
+        slots: list[int],
+        keys: list[Key],
         *,
         policy_later: bool = False,
         slot_of: dict[Key, int] | None = None,
@@ -306,7 +306,8 @@ class BlockIndex:
         """Fills an empty index with ready blocks in their slots (warm restart, SPEC 13),
         oldest first: `keys[i]` in `slots[i]`, the rest free; one stored event; the sink
         told, the slot sink not. `policy_later`: the policy learns them a slice per
-        `settle` (`AdoptingPolicy`); `slot_of`: `dict(zip(keys, slots))`, if at hand."""
+        `settle` (`AdoptingPolicy`); `slot_of`: `dict(zip(keys, slots))`, if at hand.
+        The lists become the index's, not copied (a copy of 1M touches 1M objects)."""
         if self._slot_of or self._next_fresh:
             raise BadRequest("adopt needs an empty index")
         state = adoption(self.num_blocks, slots, keys, slot_of)
@@ -321,8 +322,8 @@ class BlockIndex:
             back = lambda policy: setattr(self, "policy", policy)  # noqa: E731 - once done
             self.policy = AdoptingPolicy(self.policy, slots, keys, back)
         else:
-            self.policy.adopt(list(slots), list(keys))
-        self._events.append(OffloadingEvent(list(keys), self.block_tokens, "CPU"))
+            self.policy.adopt(slots, keys)
+        self._events.append(OffloadingEvent(keys, self.block_tokens, "CPU"))
 
     # -- read-only views ----------------------------------------------------
 

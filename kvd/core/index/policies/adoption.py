@@ -46,15 +46,15 @@ class AdoptingPolicy(CachePolicy):
     def __init__(
         self,
         policy: CachePolicy,
-        slots: Sequence[int],
-        keys: Sequence[Key],
+        slots: list[int],
+        keys: list[Key],
         done: Callable[[CachePolicy], None],
     ) -> None:
         super().__init__(policy.capacity, policy._is_ready, policy._is_evictable)
         self.name = policy.name
         self.policy = policy
-        self._slots = list(slots)
-        self._keys = list(keys)
+        self._slots = slots  # the index's lists, read only: not copied
+        self._keys = keys
         self._at = 0  # slots[:_at] are adopted
         self._kept: list[tuple[bool, Sequence[int] | Sequence[Key]]] = []  # (is_touch, batch)
         self._num_kept_keys = 0
