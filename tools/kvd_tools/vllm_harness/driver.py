@@ -25,7 +25,13 @@ class EngineProcess:
 
     def __init__(self, config: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
         tp = config.get("tp", 1)
-        environ = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto"}
+        environ = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto",
+            # vLLM logs to stdout by default, from the engine core's process too:
+            # a warning could land inside a reply line. Its logs go to the log file.
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+        }
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             prefix="kvd-vllm-", suffix=".log", delete=False
         )

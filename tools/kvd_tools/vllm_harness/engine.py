@@ -3,7 +3,8 @@
 `python -m kvd_tools.vllm_harness.engine CONFIG_JSON` builds `vllm.LLM` on a model
 directory holding only a `config.json` (dummy weights: no hub, no
 tokenizer), optionally with kvd's connector, then answers one JSON command
-per stdin line, on one stdout line that starts with `{`:
+per stdin line, on one stdout line that starts with `{` (vLLM's own logs go to
+stderr: the driver sets `VLLM_LOGGING_STREAM`):
 
     {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
     {"reset_prefix_cache": true}                       -> {"ok": true}
@@ -115,17 +116,17 @@ def main(config: dict[str, Any]) -> None:
     if config.get("kvd") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config["kvd"]))
     llm = LLM(**kwargs)
-    print(json.dumps({"ready": True}), flush=True)
+    _reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("metrics"):
             ours = [m for m in llm.get_metrics() if m.name.startswith("vllm:kv_offload")]
             counters = {m.name: m.value for m in ours if hasattr(m, "value")}
-            print(json.dumps({"metrics": counters}), flush=True)
+            _reply({"metrics": counters})
             continue
         if cmd.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-            print(json.dumps({"ok": True}), flush=True)
+            _reply({"ok": True})
             continue
         params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
@@ -133,7 +134,14 @@ def main(config: dict[str, Any]) -> None:
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        print(json.dumps({"tokens": tokens, "seconds": seconds}), flush=True)
+        _reply({"tokens": tokens, "seconds": seconds})
+
+
+def _reply(answer: dict[str, Any]) -> None:
+    """One reply line in one write (print writes the newline apart: with
+    PYTHONUNBUFFERED, another process's output could come in between)."""
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
