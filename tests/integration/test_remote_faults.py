@@ -64,6 +64,15 @@ def written(h: Host) -> int:
     return counters(h.daemon).get("remote.blocks_written", 0)
 
 
+def store_written(e: Engine, h: Host, keys: list[bytes], seed: int) -> list[list[str]]:
+    """`e`, an engine on host `h`, stores `keys`; returns (their digests) once
+    `h`'s write-behind has written that many blocks more."""
+    base = written(h)
+    stored = e.store(keys, seed=seed)
+    wait_for("the write-behind", lambda: written(h) >= base + len(keys))
+    return stored
+
+
 @pytest.fixture
 def standalone() -> Iterator[tuple[RedisServer, Host, Host]]:
     store = RedisServer().start()
@@ -79,9 +88,7 @@ def test_redis_killed_slowed_and_restarted(standalone: tuple[RedisServer, Host, 
     a, b = Engine(host_a, "faults"), Engine(host_b, "faults")
     try:
         local = keys_of("local")
-        base = written(host_a)
-        a.store(local, seed=1)
-        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        store_written(a, host_a, local, seed=1)
 
         # Killed: local hits flow, misses answer within the window, stores go on.
         store.kill()
@@ -102,17 +109,13 @@ def test_redis_killed_slowed_and_restarted(standalone: tuple[RedisServer, Host, 
         for h in (host_a, host_b):
             wait_for("a reconnect", lambda h=h: counters(h.daemon).get("remote.connected") == 1)
         after = keys_of("after-restart")
-        base = written(host_a)
-        stored = a.store(after, seed=3)
-        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        stored = store_written(a, host_a, after, seed=3)
         fetch_all(b.scheduler, after)
         assert b.load(after) == stored
 
         # Slowed: a DEBUG SLEEP stalls the server for longer than the timeout.
         slow = keys_of("before-sleep")
-        base = written(host_a)
-        a.store(slow, seed=4)
-        wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+        store_written(a, host_a, slow, seed=4)
         sleeper = subprocess.Popen(
             ["redis-cli", "-p", str(store.port), "debug", "sleep", "3"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -173,9 +176,7 @@ def test_a_cluster_master_failing_over_is_survived() -> None:
         a, b = Engine(a_host, "failover"), Engine(b_host, "failover")
         try:
             before = keys_of("before")
-            base = written(a_host)
-            a.store(before, seed=5)
-            wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+            store_written(a, a_host, before, seed=5)
             fetch_all(b.scheduler, before)
 
             dead = cluster.masters()[0]
@@ -240,9 +241,7 @@ def test_a_server_that_refuses_writes_is_not_a_tier_down() -> None:
             assert counters(b_host.daemon)["remote.probes"] >= 1
             store.cli("config", "set", "maxmemory", "0")
             keys = keys_of("after-room")
-            base = written(a_host)
-            stored = a.store(keys, seed=2)
-            wait_for("the write-behind", lambda: written(a_host) >= base + BLOCKS)
+            stored = store_written(a, a_host, keys, seed=2)
             fetch_all(b.scheduler, keys)
             assert b.load(keys) == stored
         finally:
@@ -278,9 +277,7 @@ def test_drop_and_reset_while_the_tier_is_busy_leave_nothing_held() -> None:
             a, b = Engine(host_a, "busy"), Engine(host_b, "busy")
             try:
                 keys = keys_of("after-drop")
-                base = written(host_a)
-                a.store(keys, seed=2)
-                wait_for("the write-behind", lambda: written(host_a) >= base + BLOCKS)
+                store_written(a, host_a, keys, seed=2)
                 # A reset of B's pool while its fetch is under way: the reset
                 # waits for the fetch; then the pool is empty and consistent.
                 wait_for("B's tier up", lambda: counters(host_b.daemon).get(

@@ -27,6 +27,7 @@ GB/s; a checksum slower than that would make the daemon the limit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -92,12 +93,10 @@ def _wait_for_new_socket(daemon: DaemonProcess, stale: tuple[int, int], t0: floa
     from kvd_tools.bench.suites import SuiteError
 
     while True:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # between the unlink and the bind
             st = daemon.socket_path.stat()
             if (st.st_ino, st.st_ctime_ns) != stale:
                 return
-        except FileNotFoundError:
-            pass
         if daemon.proc is not None and daemon.proc.poll() is not None:
             raise SuiteError(f"the daemon exited with {daemon.proc.returncode}")
         if time.monotonic() - t0 > 120:
