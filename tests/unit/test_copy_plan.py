@@ -152,10 +152,51 @@ def test_check_refuses_what_it_cannot_copy(
         check_job(kind, device, pool, 8, 4)
 
 
-def test_check_allows_a_source_named_twice() -> None:
-    check_job("store", [1, 1], [0, 1], 8, 4)  # one device block into two slots
-    check_job("load", [0, 1], [2, 2], 8, 4)  # one slot into two device blocks
-    check_job("store", [], [], 8, 4)
+@pytest.mark.parametrize(
+    ("kind", "device", "pool", "runs"),
+    [
+        # One device block into two slots: two runs, one per destination.
+        ("store", [1, 1], [0, 1], [Run(1, 0, 1), Run(1, 1, 1)]),
+        # One slot into two device blocks: the pool side stands still, no run.
+        ("load", [0, 1], [2, 2], [Run(0, 2, 1), Run(1, 2, 1)]),
+        # A run named twice: each copy keeps its own destinations.
+        ("store", [3, 4, 3, 4], [0, 1, 2, 3], [Run(3, 0, 2), Run(3, 2, 2)]),
+        ("store", [], [], []),
+    ],
+)
+def test_a_source_named_twice_is_copied_to_each_destination(
+    kind: str, device: list[int], pool: list[int], runs: list[Run]
+) -> None:
+    check_job(kind, device, pool, 8, 4)
+    plan = plan_copy(kind, device, pool, 8, 4)
+    assert (plan.kind, list(plan.device_ids), list(plan.pool_ids)) == (kind, device, pool)
+    assert all_runs(plan) == runs
+    # Applied as a backend does, short runs pair by pair or not: every
+    # destination holds its source's bytes, nothing else changed.
+    pages = [8, 16]
+    probe = Geometry.plan(slot_bytes=24, world_size=1, replicated=False, capacity_bytes=1 << 20)
+    geometry = Geometry.plan(
+        slot_bytes=24, world_size=1, replicated=False, capacity_bytes=4 * probe.row_bytes
+    )
+    layout = SlotLayout.of(geometry, 0, pages)
+    for min_count in (1, 2, 3):
+        host = bytearray(i % 251 for i in range(geometry.size_bytes))
+        devices = [
+            bytearray((7 * n + i) % 253 for i in range(8 * page)) for n, page in enumerate(pages)
+        ]
+        host_before, devices_before = bytes(host), [bytes(d) for d in devices]
+        plan_apply(plan, layout, min_count, devices, host)
+        expected_host = bytearray(host_before)
+        expected_devices = [bytearray(d) for d in devices_before]
+        for d, p in zip(device, pool, strict=True):
+            for layer, page in enumerate(pages):
+                h = layout.host_offset(p, layer)
+                if kind == "store":
+                    expected_host[h : h + page] = devices_before[layer][d * page : (d + 1) * page]
+                else:
+                    expected_devices[layer][d * page : (d + 1) * page] = host_before[h : h + page]
+        assert host == expected_host, f"min_count {min_count}"
+        assert devices == expected_devices, f"min_count {min_count}"
 
 
 # -- byte-level equivalence -----------------------------------------------------
