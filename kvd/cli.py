@@ -173,8 +173,8 @@ def _plain(x: Any) -> Any:
 def _pools_table(pools: list[Any]) -> str:
     rows = [
         "| pool | model | world | repl | policy | blocks | ready | in flight | pinned | free "
-        "| GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| held | GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pi in pools:
         rows.append(
@@ -182,7 +182,7 @@ def _pools_table(pools: list[Any]) -> str:
             f"{'yes' if pi.layout.replicated else 'no'} | {pi.policy} | {pi.num_blocks} | "
             f"{pi.blocks_ready} | "
             f"{pi.blocks_in_flight} | {pi.blocks_pinned} | {pi.blocks_free} | "
-            f"{pi.capacity_bytes / (1 << 30):.2f} |"
+            f"{pi.blocks_held} | {pi.capacity_bytes / (1 << 30):.2f} |"
         )
     return "\n".join(rows) if pools else "no pools"
 

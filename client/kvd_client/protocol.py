@@ -306,6 +306,9 @@ class PoolInfo(msgspec.Struct, frozen=True):
     blocks_pinned: int
     blocks_free: int
     sessions: int
+    # Slots a warm start holds back while a job of the dead daemon may still
+    # write them (SPEC 13): neither free nor holding a block.
+    blocks_held: int = 0
 
 
 class PoolsResult(_Msg, frozen=True):

@@ -20,21 +20,29 @@ that a restarted daemon can adopt it and a worker can map it by name:
      88 policy 16s               104 fingerprint 32s (sha256 of the layout bytes)
 
     slot table entry of block b at table_offset + b * ENTRY_BYTES:
-      0 state u8 (FREE 0, READY 1)   1 key_len u8   2 pad u16
+      0 state u8 (FREE 0, READY 1, STORING 2)   1 key_len u8
+      2 pinned u8 (1 while a load may read a READY block)   3 pad u8
       4 crc u32 (crc32 of key_len, seq, key)   8 seq u64   16 key 64s
 
 Rank r's slot of block b is at `data_offset + b * row_bytes + slot(r) *
 slot_stride`: workers map the rows from `data_offset` on, so every offset
 of SPEC 3 holds within their mapping unchanged.
 
-The daemon alone writes the header and the table. An entry is written
-whole while its state is FREE, and only then its state byte set to READY,
-once every rank has acknowledged the block's store; its state byte is set to
-FREE before its slot is handed out again. Each write is a store in program
-order into shared memory that outlives the process, so a daemon killed at
-any instant leaves every entry FREE, or READY over a whole entry whose
-block's bytes were all acknowledged: a restart that adopts READY entries
-whose crc matches never serves a block that was being stored.
+The daemon alone writes the header and the table. A slot's state byte is
+set to STORING before the slot is handed to a store (before any rank is
+sent the job: one write, which also takes a READY victim out of the ready
+set); the entry is written whole while its state is FREE, and only then its
+state byte set to READY, once every rank has acknowledged the block's
+store; a store that failed sets FREE only once no rank can copy it any more
+(the job settled). A READY block's `pinned` byte is 1 from its first load
+pin to its last release, so while a load job may still read it. Each write
+is a store in program order into shared memory that outlives the process,
+so a daemon killed at any instant leaves every entry FREE, STORING (a job
+of the dead daemon may still write the slot), or READY over a whole entry
+whose block's bytes were all acknowledged: a restart that adopts READY
+entries whose crc matches never serves a block that was being stored, and
+it holds back the STORING slots and keeps the pinned blocks (neither handed
+to a store) until the dead daemon's jobs' deadlines passed.
 """
 
 from __future__ import annotations
@@ -47,15 +55,16 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"KVDPOOL\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: STORING and `pinned` (a version-1 table names neither)
 HEADER = struct.Struct("<8sIIQQQQIIB7xQQIHH16s32s")
 HEADER_FIXED = HEADER.size  # 136
 MAX_HEADER_BYTES = HEADER_FIXED + 2 * 0xFFFF  # the fixed part, the longest name and layout
 CRC_OFFSET = 12
-ENTRY = struct.Struct("<BBHIQ64s")
+ENTRY = struct.Struct("<BBBxIQ64s")
 ENTRY_BYTES = ENTRY.size  # 80
 ENTRY_BODY = struct.Struct("<BQ64s")  # what an entry's crc covers: key_len, seq, key
-FREE, READY = 0, 1
+FREE, READY, STORING = 0, 1, 2
+PINNED_AT = 2  # the offset of an entry's `pinned` byte
 MAX_KEY_BYTES = 64
 PAGE = mmap.PAGESIZE
 

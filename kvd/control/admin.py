@@ -147,18 +147,6 @@ class PoolAdmin:
                 return p.StoreTicket(req_id, False)
         raise KvdError(f"pool {pool.name!r} is being reset", ErrorCode.MISSING)
 
-    def while_adopted(self, pool: Pool, req: p.Request, now: float) -> p.Reply | None:
-        """The answer to a store into a pool adopted warm less than two job timeouts
-        ago: no room (as a full pool of pinned blocks answers). A job the dead
-        daemon handed out may still be copied until its hard deadline, and the
-        new daemon does not know its slots. Lookups and loads go on."""
-        if now >= pool.stores_from or not isinstance(req, p.PrepareStore | p.Store):
-            return None
-        self._counters["stores_held_after_restart"] += 1
-        if isinstance(req, p.PrepareStore):
-            return p.PrepareStoreResult(req.req_id, False)
-        return p.StoreTicket(req.req_id, False)
-
     def finish_resets(self) -> None:
         """Completes every pending reset whose pool no longer has a copy in flight."""
         for pool in self.pools:
@@ -206,10 +194,16 @@ class PoolAdmin:
         self._log_rollback(owner, *pool.owned.release(owner))
 
     def release_due(self, now: float) -> None:
-        """Rolls back the held sessions whose time came; finishes resets that can."""
+        """Rolls back the held sessions whose time came, frees the slots a warm
+        start held (SPEC 13) once the dead daemon's jobs are past their hard
+        deadlines; finishes resets that can."""
         for pool in self.pools:
             for owner, stores, refs in pool.owned.release_due(now):
                 self._log_rollback(owner, stores, refs)
+            if pool.held_until and now >= pool.held_until:
+                pool.held_until = 0.0
+                log.info("event=held_slots_released pool=%s slots=%d", pool.name,
+                         pool.index.release_held())  # fmt: skip
         self.finish_resets()
 
     @staticmethod

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvd.config import Config
+from kvd.control.pool import DEAD_RUN, Pool
 from kvd.control.write_behind import ReadyTap
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
@@ -26,7 +27,7 @@ from kvd.io.ready_table import ReadyTableWriter
 from kvd.io.region import Manifest, SharedRegion, unlink_segment
 from kvd.io.remote_value import layout_fingerprint
 from kvd_client.geometry import Geometry
-from kvd_client.protocol import Attached, Layout, PoolInfo
+from kvd_client.protocol import Layout
 from kvd_client.ready_table import table_name
 from kvd_client.segment import BadSegment, SegmentHeader
 
@@ -35,65 +36,7 @@ _layout_decoder = msgspec.msgpack.Decoder(Layout)
 
 log = logging.getLogger("kvd.control.pools")
 
-
-@dataclass
-class Pool:
-    name: str
-    layout: Layout
-    geometry: Geometry
-    generation: int
-    region: SharedRegion
-    owned: OwnedIndex
-    policy: str
-    table: ReadyTableWriter | None = None  # the ready set in shared memory (SPEC 15)
-    sessions: int = 0
-    resetting: bool = False  # a Reset waits for the pool's copies to end
-    # Adopted warm: no slot is handed out before this (monotonic), so that a job
-    # of the dead daemon, still copied until its hard deadline, lands in no
-    # other block's slot (SPEC 13; `PoolAdmin.while_adopted`).
-    stores_from: float = 0.0
-    # With a remote tier (SPEC 14): the blocks that became ready, for the
-    # write-behind, and the name the pool's blocks have there.
-    tap: ReadyTap | None = None
-    fingerprint: str = ""
-
-    @property
-    def index(self) -> BlockIndex:
-        return self.owned.index
-
-    def attached(self, req_id: int) -> Attached:
-        g = self.geometry
-        return Attached(
-            req_id,
-            self.region.name,
-            self.generation,
-            g.num_blocks,
-            g.row_bytes,
-            g.slot_bytes,
-            g.num_slots,
-            g.slot_stride,
-            self.table.name if self.table is not None else "",
-            self.region.header.data_offset,
-            self.tap is not None,
-        )
-
-    def info(self) -> PoolInfo:
-        ix = self.index
-        return PoolInfo(
-            name=self.name,
-            shm_name=self.region.name,
-            generation=self.generation,
-            layout=self.layout,
-            policy=self.policy,
-            num_blocks=ix.num_blocks,
-            row_bytes=self.geometry.row_bytes,
-            capacity_bytes=self.geometry.size_bytes,
-            blocks_ready=ix.num_ready,
-            blocks_in_flight=ix.num_in_flight,
-            blocks_pinned=ix.num_pinned,
-            blocks_free=ix.num_free,
-            sessions=self.sessions,
-        )
+__all__ = ["Found", "Pool", "PoolRegistry"]
 
 
 @dataclass(frozen=True)
@@ -327,6 +270,7 @@ class PoolRegistry:
                     adopted=True,
                 )
                 slots, keys, bad, slot_of = region.table.ready_map()
+                storing, pinned = region.table.in_use()
                 scanned = time.monotonic()
                 h = header
                 geometry = Geometry(h.num_blocks, h.row_bytes, h.slot_bytes, h.num_slots,
@@ -337,17 +281,23 @@ class PoolRegistry:
                 pool = self._add(
                     pool_name, layout, geometry, header.generation, region, index, policy
                 )
-                index.adopt(slots, keys, policy_later=True, slot_of=slot_of)
+                index.adopt(slots, keys, policy_later=True, slot_of=slot_of, held=storing)
                 # Jobs of the dead daemon were made before now: their hard deadlines
                 # (two job timeouts after they were made) are all behind this one.
+                # Until then, the slots its store jobs may write stay held and the
+                # blocks its load jobs may read stay pinned; every other slot
+                # serves stores at once.
                 hold_s = 2 * self.config.job_timeout_ms / 1000
-                pool.stores_from = time.monotonic() + hold_s
+                pool.held_until = time.monotonic() + hold_s
+                pinned_keys = [k for k in map(index.key_at, pinned) if k is not None]
+                pool.owned.hold_pins(DEAD_RUN, pinned_keys, pool.held_until)
                 adopted.append(pool)
                 log.info(
                     "event=pool_adopted pool=%s shm=%s blocks_ready=%d entries_refused=%d "
-                    "blocks=%d seconds=%.3f scan_seconds=%.3f stores_held_s=%.1f",
+                    "blocks=%d seconds=%.3f scan_seconds=%.3f slots_held=%d blocks_pinned=%d "
+                    "held_s=%.1f",
                     pool_name, shm, len(keys), bad, geometry.num_blocks, time.monotonic() - start,
-                    scanned - start, hold_s,
+                    scanned - start, len(storing), len(pinned_keys), hold_s,
                 )  # fmt: skip
             except Exception as exc:  # one pool that cannot be taken back starts cold
                 log.warning("event=pool_not_adopted pool=%s shm=%s reason=%s",

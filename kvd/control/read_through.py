@@ -125,7 +125,7 @@ class ReadThrough:
         if self._down():
             self.counters["remote.skipped_down"] += 1
             return hits
-        if pool.resetting or now < pool.stores_from:
+        if pool.resetting:
             return hits
         # One lookup's fetch: at most remote_fetch_max_bytes, and a quarter of
         # the pool (it may evict that much).
@@ -182,7 +182,7 @@ class ReadThrough:
             self.counters["remote.misses"] += 1
             del self._fetches[fetch.fetch_id]
             return
-        if pool.resetting or now < pool.stores_from:
+        if pool.resetting:
             del self._fetches[fetch.fetch_id]
             return
         # The lookup's own leading hits are the last to go for the fetch's room.

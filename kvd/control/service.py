@@ -218,8 +218,6 @@ class Service:
     def _pool_verb(self, s: Session, pool: Pool, req: p.Request, now: float) -> p.Reply:
         owned, sid = pool.owned, s.session_id
         refused = self.admin.while_resetting(pool, req)
-        if refused is None:
-            refused = self.admin.while_adopted(pool, req, now)
         if refused is not None:
             return refused
         match req:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvd.config import Config
+from kvd.core.index.types import SlotSink
 from kvd.errors import KvdError
 from kvd.io.remote_store import RemoteError, RemoteStore, RemoteThread
 from kvd.io.remote_value import encode_value, remote_key
@@ -40,21 +41,30 @@ class ReadyTap:
     """A pool's slot sink (the segment's slot table) with a tap: remembers the
     keys that became ready, for the write-behind, unless `muted`."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: SlotSink) -> None:
         self.inner = inner
         self.keys: list[bytes] = []
         self.muted = False
 
+    def storing(self, slots: Sequence[int]) -> None:
+        self.inner.storing(slots)
+
     def ready(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        self.inner.ready(slots, keys)  # type: ignore[attr-defined]
+        self.inner.ready(slots, keys)
         if not self.muted:
             self.keys.extend(keys)
 
     def freed(self, slots: Sequence[int]) -> None:
-        self.inner.freed(slots)  # type: ignore[attr-defined]
+        self.inner.freed(slots)
+
+    def pinned(self, slots: Sequence[int]) -> None:
+        self.inner.pinned(slots)
+
+    def unpinned(self, slots: Sequence[int]) -> None:
+        self.inner.unpinned(slots)
 
     def reset(self) -> None:
-        self.inner.reset()  # type: ignore[attr-defined]
+        self.inner.reset()
         self.keys.clear()
 
 

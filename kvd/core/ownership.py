@@ -104,6 +104,17 @@ class OwnedIndex:
             self._unpin(owner, keys)
         return len(stores), num_refs
 
+    def hold_pins(self, owner: Owner, keys: Sequence[Key], until: float) -> None:
+        """Pins `keys` for `owner`, past any cap, and schedules their release for
+        `until`: the blocks a load job of the dead daemon may still read (SPEC 13)."""
+        if not keys:
+            return
+        self.index.prepare_load(keys)
+        self._pins_of.setdefault(owner, Counter()).update(keys)
+        self._account_of[owner] = owner
+        self._pinned_by_account[owner] += len(keys)
+        self._held[owner] = until
+
     def hold(self, owner: Owner, until: float) -> bool:
         """Schedules `owner`'s rollback for `until`; False (nothing to do) if it holds nothing."""
         if owner not in self._stores_of and owner not in self._pins_of:

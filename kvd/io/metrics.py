@@ -70,16 +70,11 @@ _COUNTERS = (
     ),
     ("kvd_stores", "Store transfer jobs started.", "stores"),
     ("kvd_stores_rejected", "Store requests refused because nothing fit.", "stores_rejected"),
-    (
-        "kvd_stores_held_after_restart",
-        "Store requests refused while a pool adopted warm waits out the dead daemon's jobs.",
-        "stores_held_after_restart",
-    ),
     ("kvd_loads", "Load transfer jobs started.", "loads"),
     ("kvd_blocks_stored", "Blocks that became ready.", "blocks_stored"),
     ("kvd_evictions", "Blocks evicted to make room.", "evictions"),
 )
-_STATES = ("ready", "in_flight", "pinned", "free")
+_STATES = ("ready", "in_flight", "pinned", "free", "held")
 # The remote tier (SPEC 14), exported once it is configured (`remote.connected`
 # is then always in the counters): (metric, help, key).
 _REMOTE_COUNTERS = (
@@ -220,7 +215,8 @@ class Metrics(Collector):
             "kvd_pool_sessions", "Sessions attached to the pool.", labels=["pool"]
         )
         for p in s.pools:
-            counts = (p.blocks_ready, p.blocks_in_flight, p.blocks_pinned, p.blocks_free)
+            counts = (p.blocks_ready, p.blocks_in_flight, p.blocks_pinned, p.blocks_free,
+                      p.blocks_held)  # fmt: skip
             for state, n in zip(_STATES, counts, strict=True):
                 blocks.add_metric([p.name, state], n)
             capacity.add_metric([p.name], p.capacity_bytes)

@@ -475,54 +475,6 @@ def test_a_big_announcement_goes_out_in_slices_in_order_while_requests_are_serve
         d.stop()
 
 
-def test_a_job_of_the_dead_daemon_never_lands_in_another_blocks_slot() -> None:
-    """A store job the dead daemon pushed to a worker that outlives it may still
-    be copied until its deadline; the new daemon does not know which slot it
-    names, so it hands out no slot for two job timeouts (`stores_held_after_restart`),
-    and a block stored after that holds its own bytes."""
-    d = DaemonProcess(lease_ms="3000", job_timeout_ms="1000").start()
-    cache = contiguous_cache(4, LAYOUT.slot_bytes, "int64")
-    try:
-        with (
-            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
-                      capacity_bytes=8 * LAYOUT.slot_bytes) as s,
-            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
-        ):  # fmt: skip
-            cache[0] = block_content(1, ELEMS)
-            old = s.store([key(1)], [0])
-            assert old is not None
-            w._conn.receive(2000)
-            w._launch()  # the job arrived; the engine has not named it yet
-            assert old.job_id in w._arrived
-            kill_and_restart(d, s, w)
-            assert s.store([key(2)], [1]) is None  # held: the old job may still run
-            w.wait([old.job_id], timeout_s=5)  # the engine names it: it runs, or is refused late
-            cache[1] = block_content(2, ELEMS)
-            deadline = time.monotonic() + 10
-            while (new := s.store([key(2)], [1])) is None:
-                assert time.monotonic() < deadline, "stores still held 10 s after the restart"
-                time.sleep(0.1)
-            assert w.wait([new.job_id])[new.job_id]
-            deadline = time.monotonic() + 10
-            while s.lookup([key(2)]) != 1:
-                assert time.monotonic() < deadline
-                s.finished()
-                time.sleep(0.01)
-            cache.zero_()
-            job = s.load([key(2)], [3])
-            assert w.wait([job])[job]
-            assert torch.equal(cache[3], block_content(2, ELEMS)), "key 2 holds other bytes"
-        conn = admin(d)
-        try:
-            stats = conn.call(p.Stats)
-            assert isinstance(stats, p.StatsResult)
-            assert stats.counters["stores_held_after_restart"] >= 1
-        finally:
-            conn.close()
-    finally:
-        d.stop()
-
-
 def test_segments_keep_their_mode() -> None:
     d = DaemonProcess().start()
     try:

@@ -23,8 +23,10 @@ from kvd_client.segment import (
     CRC_OFFSET,
     ENTRY_BYTES,
     FORMAT_VERSION,
+    FREE,
     PAGE,
     READY,
+    STORING,
     BadSegment,
     SegmentHeader,
     read_header,
@@ -178,6 +180,89 @@ def test_the_table_holds_what_the_index_holds_ready(ops: list[tuple[str, list[in
         assert again.num_free == 8 - len(keys)
     finally:
         os.close(fd)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["prepare", "complete", "fail", "pin", "unpin",
+                                               "reset"]),
+                              st.lists(st.integers(0, 20), min_size=1, max_size=5)),
+                    max_size=40))  # fmt: skip
+def test_the_table_names_what_jobs_may_still_touch(ops: list[tuple[str, list[int]]]) -> None:
+    """At any instant the table's STORING slots are the index's in-flight ones and
+    its pinned slots the ready blocks with load references; a new index that
+    adopts the table hands out none of the STORING slots until `release_held`."""
+    h = header(8)
+    fd = os.memfd_create("kvd-test-in-use")
+    try:
+        t = table_on(fd, h)
+        index = BlockIndex(8, "lru")
+        index.slot_sink = t
+        pending: list[bytes] = []
+        pins: list[bytes] = []
+        for op, ids in ops:
+            keys = [i.to_bytes(2, "big") for i in ids]
+            if op == "reset":
+                index.reset()
+                pending, pins = [], []
+            elif op == "prepare":
+                out = index.prepare_store(keys)
+                if out is not None:
+                    pending.extend(out.keys_to_store)
+            elif op in ("complete", "fail") and pending:
+                done, pending = pending[: len(ids)], pending[len(ids) :]
+                index.complete_store(done, success=op == "complete")
+            elif op == "pin":
+                ready = [k for k in keys if k in index and index.is_ready(k)]
+                index.prepare_load(ready)
+                pins.extend(ready)
+            elif op == "unpin" and pins:
+                index.complete_load([pins.pop()])
+        crash = crashed(fd, h)
+        slots, keys, _ = crash.ready_entries()
+        storing, pinned = crash.in_use()
+        in_flight = {index.slot_of(k) for k in index_keys(index) if not index.is_ready(k)}
+        assert set(storing) == in_flight
+        assert set(pinned) == {index.slot_of(k) for k in set(pins)}
+        assert set(keys) == {k for k in index_keys(index) if index.is_ready(k)}
+        again = BlockIndex(8, "lru")
+        again.adopt(slots, keys, held=storing)
+        assert again.check_invariants() == [] and again.num_held == len(storing)
+        out = again.prepare_store([b"new" + bytes([i]) for i in range(8 - len(storing))])
+        assert out is not None and not set(out.store_spec.slots) & set(storing)
+        again.reset()  # a reset keeps them held
+        assert again.num_held == len(storing) and again.check_invariants() == []
+        out = again.prepare_store([b"x" + bytes([i]) for i in range(8 - len(storing))])
+        assert out is not None and not set(out.store_spec.slots) & set(storing)
+        assert again.prepare_store([b"one more"]) is None or not storing
+        assert again.release_held() == len(storing) and again.num_held == 0
+        assert again.check_invariants() == []
+    finally:
+        os.close(fd)
+
+
+def index_keys(index: BlockIndex) -> list[bytes]:
+    return [k for k in map(index.key_at, range(index.num_blocks)) if k is not None]
+
+
+def test_a_store_writes_one_state_byte_before_its_job_and_a_failure_frees_it(fd: int) -> None:
+    """STORING from `prepare_store` (a ready victim's slot too, in one write),
+    READY only from `complete_store`, FREE from a failed one; pins as a byte."""
+    h = header(2)
+    t = table_on(fd, h)
+    index = BlockIndex(2, "lru")
+    index.slot_sink = t
+    states = lambda: bytes(t._mm[h.table_offset :: ENTRY_BYTES][:2])  # noqa: E731
+    out = index.prepare_store([b"a", b"b"])
+    assert out is not None and states() == bytes([STORING, STORING])
+    index.complete_store([b"a"])
+    index.complete_store([b"b"], success=False)
+    assert states() == bytes([READY, FREE])
+    index.prepare_load([b"a"])
+    assert crashed(fd, h).in_use() == ([], [0])
+    index.complete_load([b"a"])
+    assert crashed(fd, h).in_use() == ([], [])
+    index.prepare_store([b"c", b"d"])  # evicts a: its slot goes READY -> STORING
+    assert states() == bytes([STORING, STORING]) and crashed(fd, h).ready_entries()[1] == []
 
 
 def test_adopt_refuses_bad_input_and_changes_nothing() -> None:

@@ -3,21 +3,8 @@
 No sockets, files, clocks or threads: every method is a pure state transition,
 so the daemon, the benchmarks and the property tests drive the same object.
 
-Per-block state lives in flat arrays indexed by slot id, and the policy
-orders slot ids in arrays of its own, so the one per-key structure is the
-key -> slot dict:
-
-    _slot_of   {key -> slot}                                 dict
-    _key_at    [slot] -> key | None                          list
-    _ready     [slot] -> 0 (being stored) | 1 (loadable)     bytearray
-    _refs      [slot] -> number of load references (pins)    array('q')
-    free slots = [_next_fresh, num_blocks) fresh ids, then _free (array('i'),
-                 a LIFO stack of freed ids)
-
-At 1,000,000 blocks a block costs (tracemalloc, `kvd bench index`): its key
-object 72 bytes (36-byte keys), its `_slot_of` entry about 42, its slot int
-32, `_key_at` 8, `_ready` 1 and `_refs` 8; plus the policy: 9 for LRU, 68 for
-ARC (resident lists, fingerprints, room for 2c ghosts).
+Per-block state and the read-only views live in `IndexState`
+(`kvd.core.index.index_state`, with its picture); this module holds the verbs.
 
 Churn would double the dict: deleted entries keep their place until CPython
 resizes, and a resize sizes the dict for 3x its live entries (rounded up to
@@ -39,53 +26,15 @@ from array import array
 from collections import Counter
 from collections.abc import Sequence
 
-from kvd.core.index.checks import adoption, index_problems
-from kvd.core.index.policies import make_policy
+from kvd.core.index.checks import adoption
+from kvd.core.index.index_state import IndexState
 from kvd.core.index.policies.adoption import AdoptingPolicy
-from kvd.core.index.types import (
-    Key,
-    LoadStoreSpec,
-    OffloadingEvent,
-    PrepareStoreOutput,
-    ReadySink,
-    SlotSink,
-)
-from kvd.errors import BadRequest, MissingKey, NotPinned, NotReady
+from kvd.core.index.types import Key, LoadStoreSpec, OffloadingEvent, PrepareStoreOutput
+from kvd.errors import BadRequest, MissingKey, NotPinned
 
 
-class BlockIndex:
+class BlockIndex(IndexState):
     """Where each block of one pool lives, its state, and who may be evicted."""
-
-    def __init__(self, num_blocks: int, policy: str = "lru", block_tokens: int = 16) -> None:
-        if num_blocks < 1:
-            raise BadRequest(f"num_blocks must be >= 1, got {num_blocks}")
-        if block_tokens < 1:
-            raise BadRequest(f"block_tokens must be >= 1, got {block_tokens}")
-        self.num_blocks = num_blocks
-        self.block_tokens = block_tokens
-        self._slot_of: dict[Key, int] = {}
-        self._slot_of_bytes = sys.getsizeof(self._slot_of)  # its size at the last growth
-        self._deleted = 0  # keys deleted from `_slot_of` since its last growth
-        self._key_at: list[Key | None] = [None] * num_blocks
-        self._ready = bytearray(num_blocks)
-        # 64-bit: no number of pins on one block can overflow it.
-        self._refs = array("q", bytes(8 * num_blocks))
-        self._free = array("i")
-        self._next_fresh = 0
-        self._num_not_ready = 0
-        self._num_pinned = 0
-        self._events: list[OffloadingEvent] = []
-        self.sink: ReadySink | None = None  # told of every change lookups would see
-        self.slot_sink: SlotSink | None = None  # told which slots hold ready blocks (SPEC 13)
-        self.policy = make_policy(policy, num_blocks, self._is_ready, self._is_evictable)
-
-    # -- policy callbacks (read-only) -------------------------------------
-
-    def _is_ready(self, slot: int) -> bool:
-        return self._ready[slot] == 1
-
-    def _is_evictable(self, slot: int) -> bool:
-        return self._ready[slot] == 1 and self._refs[slot] == 0
 
     # -- the verbs ----------------------------------------------------------
 
@@ -118,10 +67,15 @@ class BlockIndex:
         `NotReady`); on error nothing is pinned."""
         slots = [self._ready_slot(key) for key in keys]
         refs = self._refs
+        first: list[int] = []
         for slot in slots:
             if refs[slot] == 0:
-                self._num_pinned += 1
+                first.append(slot)
             refs[slot] += 1
+        if first:
+            self._num_pinned += len(first)
+            if self.slot_sink is not None:
+                self.slot_sink.pinned(first)
         return LoadStoreSpec(slots)
 
     def touch(self, keys: Sequence[Key]) -> None:
@@ -147,10 +101,15 @@ class BlockIndex:
                 )
             slots.append((slot, count))
         refs = self._refs
+        last: list[int] = []
         for slot, count in slots:
             refs[slot] -= count
             if refs[slot] == 0:
-                self._num_pinned -= 1
+                last.append(slot)
+        if last:
+            self._num_pinned -= len(last)
+            if self.slot_sink is not None:
+                self.slot_sink.unpinned(last)
 
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreOutput | None:
         """Allocates slots for the keys not yet present, evicting if it must.
@@ -168,7 +127,6 @@ class BlockIndex:
             return None
         need = len(new_keys) - self.num_free
         evicted: list[Key] = []
-        victims_freed: Sequence[int] = ()
         if need > 0:
             # The present keys of the call are protected; all-new keys need no set.
             protected = (
@@ -180,7 +138,6 @@ class BlockIndex:
             if victims is None:
                 return None
             ready = self._ready
-            victims_freed = victims
             for slot in victims:
                 key = key_at[slot]
                 assert key is not None, "the policy evicted a free slot"
@@ -203,8 +160,10 @@ class BlockIndex:
             slots.append(slot)
         self._next_fresh = fresh
         self._deleted += len(evicted)
-        if victims_freed and self.slot_sink is not None:
-            self.slot_sink.freed(victims_freed)
+        # Every victim's slot is among `slots` (the call needs all the free room,
+        # or it evicts nothing): one write takes it out of the ready set too.
+        if slots and self.slot_sink is not None:
+            self.slot_sink.storing(slots)
         if sys.getsizeof(slot_of) > self._slot_of_bytes:
             self._regrown()
         self.policy.insert(slots, new_keys)
@@ -248,6 +207,8 @@ class BlockIndex:
                 del slot_of[key]
                 self._release_slot(slot)
             self._deleted += len(pending)
+            if self.slot_sink is not None:
+                self.slot_sink.freed(list(pending.values()))
         if self.sink is not None:
             (self.sink.ready if success else self.sink.gone)(list(pending))
 
@@ -276,7 +237,8 @@ class BlockIndex:
         return self.policy.has_idle_work()
 
     def reset(self) -> None:
-        """Drops every block, pinned or in flight, and any undrained event."""
+        """Drops every block, pinned or in flight, and any undrained event; held
+        slots stay held."""
         n = self.num_blocks
         self._slot_of.clear()
         self._slot_of_bytes = sys.getsizeof(self._slot_of)
@@ -286,6 +248,10 @@ class BlockIndex:
         self._refs = array("q", bytes(8 * n))  # 64-bit, as at start
         self._free = array("i")
         self._next_fresh = 0
+        if self._held:  # every other slot is free, the lowest first
+            held = set(self._held)
+            self._free = array("i", (s for s in range(n - 1, -1, -1) if s not in held))
+            self._next_fresh = n
         self._num_not_ready = 0
         self._num_pinned = 0
         self._events.clear()
@@ -294,6 +260,8 @@ class BlockIndex:
             self.sink.reset()
         if self.slot_sink is not None:
             self.slot_sink.reset()
+            if self._held:
+                self.slot_sink.storing(self._held)
 
     def adopt(
         self,
@@ -302,16 +270,20 @@ class BlockIndex:
         *,
         policy_later: bool = False,
         slot_of: dict[Key, int] | None = None,
+        held: Sequence[int] = (),
     ) -> None:
         """Fills an empty index with ready blocks in their slots (warm restart, SPEC 13),
-        oldest first: `keys[i]` in `slots[i]`, the rest free; one stored event; the sink
-        told, the slot sink not. `policy_later`: the policy learns them a slice per
-        `settle` (`AdoptingPolicy`); `slot_of`: `dict(zip(keys, slots))`, if at hand.
+        oldest first: `keys[i]` in `slots[i]`, the `held` slots (a job of the dead
+        daemon may still write them) neither free nor allocated until
+        `release_held`, the rest free; one stored event; the sink told, the slot
+        sink not. `policy_later`: the policy learns them a slice per `settle`
+        (`AdoptingPolicy`); `slot_of`: `dict(zip(keys, slots))`, if at hand.
         The lists become the index's, not copied (a copy of 1M touches 1M objects)."""
         if self._slot_of or self._next_fresh:
             raise BadRequest("adopt needs an empty index")
-        state = adoption(self.num_blocks, slots, keys, slot_of)
+        state = adoption(self.num_blocks, slots, keys, slot_of, held)
         self._slot_of, self._key_at, self._ready, self._free = state
+        self._held = sorted(held)
         self._slot_of_bytes = sys.getsizeof(self._slot_of)
         self._next_fresh = self.num_blocks
         if not keys:
@@ -325,76 +297,11 @@ class BlockIndex:
             self.policy.adopt(slots, keys)
         self._events.append(OffloadingEvent(keys, self.block_tokens, "CPU"))
 
-    # -- read-only views ----------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._slot_of)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._slot_of
-
-    @property
-    def num_free(self) -> int:
-        return self.num_blocks - self._next_fresh + len(self._free)
-
-    @property
-    def num_in_flight(self) -> int:
-        return self._num_not_ready
-
-    @property
-    def num_pinned(self) -> int:
-        return self._num_pinned
-
-    @property
-    def num_ready(self) -> int:
-        return len(self._slot_of) - self._num_not_ready
-
-    def slot_of(self, key: Key) -> int | None:
-        return self._slot_of.get(key)
-
-    def is_ready(self, key: Key) -> bool:
-        slot = self._slot_of.get(key)
-        return slot is not None and self._ready[slot] == 1
-
-    def ref_cnt(self, key: Key) -> int:
-        slot = self._slot_of.get(key)
-        return 0 if slot is None else self._refs[slot]
-
-    def key_at(self, slot: int) -> Key | None:
-        """The key held by `slot`, None when the slot is free."""
-        return self._key_at[slot]
-
-    @property
-    def next_fresh_slot(self) -> int:
-        """The lowest slot id never allocated since the last reset (num_blocks: none left)."""
-        return self._next_fresh
-
-    @property
-    def freed_slots(self) -> tuple[int, ...]:
-        """Freed slot ids waiting for reuse; the last one goes first."""
-        return tuple(self._free)
-
-    @property
-    def pending_events(self) -> tuple[OffloadingEvent, ...]:
-        """The events `take_events` would drain now, without draining them."""
-        return tuple(self._events)
-
-    def check_invariants(self) -> list[str]:
-        """The SPEC section 4 invariants that do not hold (empty when all do). O(n)."""
-        return index_problems(self)
-
-    # -- slots ----------------------------------------------------------------
-
-    def _ready_slot(self, key: Key) -> int:
-        slot = self._slot_of.get(key)
-        if slot is None:
-            raise MissingKey(f"key {key.hex()} is not in the cache")
-        if not self._ready[slot]:
-            raise NotReady(f"key {key.hex()} is still being stored")
-        return slot
-
-    def _release_slot(self, slot: int) -> None:
-        self._key_at[slot] = None
-        self._ready[slot] = 0
-        self._refs[slot] = 0
-        self._free.append(slot)
+    def release_held(self) -> int:
+        """Frees the held slots (`adopt`), lowest first to be reused; how many."""
+        held, self._held = self._held, []
+        if held:
+            self._free.extend(reversed(held))
+            if self.slot_sink is not None:
+                self.slot_sink.freed(held)
+        return len(held)

@@ -16,16 +16,17 @@ from kvd.core.index.types import Key
 from kvd.errors import BadRequest
 
 if TYPE_CHECKING:
-    from kvd.core.index.block_index import BlockIndex
+    from kvd.core.index.index_state import IndexState
 
 
-def index_problems(index: BlockIndex) -> list[str]:
+def index_problems(index: IndexState) -> list[str]:
     """The invariants that do not hold (empty when all do). O(n)."""
     problems: list[str] = []
     allocated = len(index._slot_of)
-    if index.num_free + allocated != index.num_blocks:
+    if index.num_free + allocated + index.num_held != index.num_blocks:
         problems.append(
-            f"free {index.num_free} + allocated {allocated} != num_blocks {index.num_blocks}"
+            f"free {index.num_free} + allocated {allocated} + held {index.num_held} "
+            f"!= num_blocks {index.num_blocks}"
         )
     slots = list(index._slot_of.values())
     if len(set(slots)) != len(slots):
@@ -35,6 +36,9 @@ def index_problems(index: BlockIndex) -> list[str]:
         problems.append("free list holds a duplicate or never-allocated slot")
     if free & set(slots):
         problems.append("a free slot is also allocated")
+    held = set(index._held)
+    if len(held) != len(index._held) or held & (free | set(slots)):
+        problems.append("a held slot is held twice, free or allocated")
     for key, slot in index._slot_of.items():
         if index._key_at[slot] != key:
             problems.append(f"slot {slot} does not point back at its key")
@@ -71,10 +75,15 @@ class Adoption(NamedTuple):
 
 
 def adoption(
-    num_blocks: int, slots: Sequence[int], keys: Sequence[Key], slot_of: dict[Key, int] | None
+    num_blocks: int,
+    slots: Sequence[int],
+    keys: Sequence[Key],
+    slot_of: dict[Key, int] | None,
+    held: Sequence[int] = (),
 ) -> Adoption:
     """The state of an adoption (SPEC 13); `BadRequest` unless the slots and the
-    keys are distinct, the slots in range and the keys 1 to 64 bytes. A
+    keys are distinct, the slots in range, the keys 1 to 64 bytes and the
+    `held` slots (left out of the free list) in range and none of `slots`. A
     million blocks take a few C-level passes and one Python loop. `slot_of`:
     dict(zip(keys, slots)) where the caller has it (the C scan builds it with
     the keys, which it checked); its keys are not checked again."""
@@ -95,9 +104,16 @@ def adoption(
         ready[slot] = 1
     if len(slot_of) != len(keys) or ready.count(1) != len(slots):
         raise BadRequest("adopt: a slot or a key appears twice")
+    taken = ready
+    if held:
+        if not all(0 <= s < num_blocks and not ready[s] for s in held):
+            raise BadRequest("adopt: a held slot outside the table or holding a block")
+        taken = bytearray(ready)
+        for s in held:
+            taken[s] = 1
     # Free slots go lowest first, as fresh ones would.
-    free, at = [], ready.find(0)
+    free, at = [], taken.find(0)
     while at >= 0:
         free.append(at)
-        at = ready.find(0, at + 1)
+        at = taken.find(0, at + 1)
     return Adoption(slot_of, key_at, ready, array("i", free[::-1]))

@@ -32,10 +32,18 @@ class ReadySink(Protocol):
 
 
 class SlotSink(Protocol):
-    """Told which slots hold ready blocks, as it changes (the pool segment's slot
-    table, SPEC section 13): `ready` when a store completes, `freed` before a
-    ready block's slot is handed out again, `reset` when the index is emptied."""
+    """Told what each slot holds, as it changes (the pool segment's slot table,
+    SPEC section 13), so that a daemon started after this one knows which slots
+    a job of this one may still touch: `storing` when slots are handed to a
+    store (a ready victim's too: its slot leaves the ready set with it),
+    `ready` when a store completes, `freed` when a failed store's slots are
+    free again (no rank copies it any more), `pinned` when ready blocks get
+    their first load reference, `unpinned` when they lose their last,
+    `reset` when the index is emptied."""
 
+    def storing(self, slots: Sequence[int]) -> None: ...
     def ready(self, slots: Sequence[int], keys: Sequence[Key]) -> None: ...
     def freed(self, slots: Sequence[int]) -> None: ...
+    def pinned(self, slots: Sequence[int]) -> None: ...
+    def unpinned(self, slots: Sequence[int]) -> None: ...
     def reset(self) -> None: ...
