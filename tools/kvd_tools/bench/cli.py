@@ -1,8 +1,9 @@
 """Runs in the operator's shell: the `kvd bench SUITE [--json PATH]` sub-command.
 
 One sub-parser per registered suite (so `kvd bench index --help` shows that
-suite's flags) plus `all`, which runs every suite with its defaults. A suite
-module is imported only when it runs; see `kvd_tools.bench.suites` to add one.
+suite's flags, `--quick` among them) plus `all`, which runs every suite with
+its defaults (with `--quick`, each suite's quick form). A suite module is
+imported only when it runs; see `kvd_tools.bench.suites` to add one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from kvd_tools.bench.report import Row, SuiteReport, render, suite_report, write_json
-from kvd_tools.bench.suites import SUITES, SuiteError
+from kvd_tools.bench.suites import (
+    SUITES,
+    SuiteError,
+    add_suite_arguments,
+    resolve_args,
+    suite_args,
+)
 
 ALL = "all"
 
@@ -41,12 +48,15 @@ def add_bench_parser(sub: Any) -> None:
     suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for name, suite in SUITES.items():
         p = suites.add_parser(name, help=suite.help, description=suite.help)
-        suite.add_arguments(p)
+        add_suite_arguments(p, name)
         _add_json_flag(p)
     every = suites.add_parser(
         ALL, help="run every suite with its defaults", description="Run every suite."
     )
     _add_json_flag(every)
+    every.add_argument(
+        "--quick", action="store_true", help="each suite's quick form (seconds, small sizes)"
+    )
     every.add_argument(
         "--plots",
         type=Path,
@@ -56,11 +66,9 @@ def add_bench_parser(sub: Any) -> None:
     )
 
 
-def default_args(name: str) -> argparse.Namespace:
-    """The arguments suite `name` runs with when given no flags."""
-    p = argparse.ArgumentParser(prog=f"kvd bench {name}")
-    SUITES[name].add_arguments(p)
-    return p.parse_args([])
+def default_args(name: str, quick: bool = False) -> argparse.Namespace:
+    """The arguments suite `name` runs with when given no flags (or only `--quick`)."""
+    return suite_args(name, ["--quick"] if quick else [])
 
 
 def run_suite(name: str, args: argparse.Namespace) -> tuple[list[Row], list[str]]:
@@ -85,11 +93,14 @@ def run_bench(args: argparse.Namespace) -> int:
     reports: list[SuiteReport] = []
     status = 0
     for name in names:
-        suite_args = default_args(name) if args.suite == ALL else args
-        if args.suite == ALL and hasattr(suite_args, "png"):
-            suite_args.png = args.plots / f"{name}.png"
+        if args.suite == ALL:
+            one = default_args(name, args.quick)
+            if hasattr(one, "png"):
+                one.png = args.plots / f"{name}.png"
+        else:
+            one = resolve_args(name, args)
         try:
-            rows, summary = run_suite(name, suite_args)
+            rows, summary = run_suite(name, one)
         except SuiteError as exc:
             print(f"kvd bench {name}: error: {exc}", file=sys.stderr)
             status = 2

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.demo.block_manager import blocks_for
 from kvd_tools.demo.engine import Engine, EngineConfig
 from kvd_tools.demo.model import ModelConfig, Variant, slot_bytes
@@ -57,17 +58,22 @@ def _measure(engine: Engine, prompt: list[int], repeats: int) -> dict[str, Any]:
     }
 
 
-def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def engine_config(variant: Variant, endpoint: str, args: argparse.Namespace) -> EngineConfig:
     model = ModelConfig(variant=variant)
     lengths: list[int] = args.prompt_tokens
     num_blocks = sum(blocks_for(n, model.block_tokens) for n in lengths)
-    config = EngineConfig.sized(
+    return EngineConfig.sized(
         model,
         endpoint,
         f"kvd-bench-e2e-{variant}",
         max_tokens=max(lengths) + 1,
         pool_bytes=pool_bytes(model, 2, num_blocks),
     )
+
+
+def run_variant(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    model, variant = config.model, config.model.variant
+    lengths: list[int] = args.prompt_tokens
     rows = []
     with Engine(config, f"kvd-bench-e2e-{variant}") as engine:
         # Untimed: the first pass touches the KV cache's pages and warms the kernels.
@@ -80,21 +86,27 @@ def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> li
     return rows
 
 
+ConfigFor = Callable[[Variant, str, argparse.Namespace], EngineConfig]
+RunVariant = Callable[[EngineConfig, argparse.Namespace], list[dict[str, Any]]]
+
+
 def run_variants(
-    args: argparse.Namespace,
-    run_variant: Callable[[Variant, str, argparse.Namespace], list[dict[str, Any]]],
+    args: argparse.Namespace, config_for: ConfigFor, run_variant: RunVariant
 ) -> list[dict[str, Any]]:
-    """`run_variant` for each variant of `--variant`, against one private daemon."""
+    """`run_variant` for each variant of `--variant`, against one private daemon
+    sized for the pools of all of them (each engine's pool stays to the end)."""
     variants: list[Variant] = ["mha", "mla"] if args.variant == "both" else [args.variant]
+    unbound = [config_for(variant, "", args) for variant in variants]
+    total = max_total_bytes(pool_footprint(c.pool, c.layout(), c.pool_bytes) for c in unbound)
     rows: list[dict[str, Any]] = []
-    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "2GiB"}) as daemon:
+    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": total}) as daemon:
         for variant in variants:
-            rows += run_variant(variant, daemon.endpoint, args)
+            rows += run_variant(config_for(variant, daemon.endpoint, args), args)
     return rows
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = run_variants(args, run_variant)
+    rows = run_variants(args, engine_config, run_variant)
     if args.png is not None:
         plot(rows, args.png)
     return rows

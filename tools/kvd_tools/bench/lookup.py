@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 
 LAYOUT_ARGS = ("bench-lookup", "bfloat16", 16, 1, False, 4096)
@@ -50,13 +51,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     assert out is not None
     index.complete_store(keys)
     rows = []
-    flags = {**PRIVATE_FLAGS, "max-total-bytes": f"{(num_blocks + 16) * 4096}"}
+    layout = Layout(*LAYOUT_ARGS)
+    capacity = num_blocks * layout.slot_bytes
+    total = max_total_bytes([pool_footprint("bench-lookup", layout, capacity)])
+    flags = {**PRIVATE_FLAGS, "max-total-bytes": total}
     with DaemonProcess(base=flags) as daemon:
-        layout = Layout(*LAYOUT_ARGS)
         endpoint = daemon.endpoint
         with (
             Scheduler("bench-lookup", layout, engine_id="bench", endpoint=endpoint,
-                      capacity_bytes=num_blocks * 4096) as table,
+                      capacity_bytes=capacity) as table,
             Scheduler("bench-lookup", layout, engine_id="bench", endpoint=endpoint,
                       use_table=False) as rpc,
         ):  # fmt: skip

@@ -12,27 +12,30 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 
 SLOT_BYTES = 64 << 10
 NUM_BLOCKS = 32
 
 
-def _measure(endpoint: str, world_size: int, replicated: bool) -> dict[str, Any]:
-    import torch
-
-    from kvd_client import Layout, Scheduler, Worker
+def _pool(world_size: int, replicated: bool) -> tuple[str, Any, int]:
+    """The pool of one measurement: its name, layout and capacity in bytes."""
+    from kvd_client import Layout
 
     name = f"mla-{world_size}-{'r' if replicated else 's'}"
     layout = Layout(name, "bfloat16", 16, world_size, replicated, SLOT_BYTES)
+    return name, layout, 4 * NUM_BLOCKS * SLOT_BYTES * world_size
+
+
+def _measure(endpoint: str, world_size: int, replicated: bool) -> dict[str, Any]:
+    import torch
+
+    from kvd_client import Scheduler, Worker
+
+    name, layout, capacity = _pool(world_size, replicated)
     caches = [torch.ones(NUM_BLOCKS, SLOT_BYTES, dtype=torch.uint8) for _ in range(world_size)]
-    with Scheduler(
-        name,
-        layout,
-        engine_id=name,
-        endpoint=endpoint,
-        capacity_bytes=4 * NUM_BLOCKS * SLOT_BYTES * world_size,
-    ) as s:
+    with Scheduler(name, layout, engine_id=name, endpoint=endpoint, capacity_bytes=capacity) as s:
         workers = [
             Worker(
                 r,
@@ -69,10 +72,11 @@ def _measure(endpoint: str, world_size: int, replicated: bool) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "1GiB"}) as daemon:
-        for world_size in args.world_sizes:
-            for replicated in (True, False):
-                rows.append(_measure(daemon.endpoint, world_size, replicated))
+    cases = [(ws, replicated) for ws in args.world_sizes for replicated in (True, False)]
+    total = max_total_bytes(pool_footprint(*_pool(*case)) for case in cases)  # all held at once
+    with DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": total}) as daemon:
+        for world_size, replicated in cases:
+            rows.append(_measure(daemon.endpoint, world_size, replicated))
     return rows
 
 

@@ -37,23 +37,67 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 from kvd_tools.redis_launcher import RedisServer, available
 
 CHUNK_BYTES = 16 << 20
+LATENCY_POOL_BYTES = 256 << 20
 
 
 def _log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _daemon(url: str | None, **flags: str) -> DaemonProcess:
-    base = {**PRIVATE_FLAGS, "max-total-bytes": "8GiB"}
+def _fetch_layout(value_bytes: int) -> Any:
+    from kvd_client import Layout
+
+    return Layout(f"bench-remote-{value_bytes}", "bfloat16", 16, 1, False, value_bytes)
+
+
+def _fetch_capacity(value_bytes: int, args: argparse.Namespace) -> tuple[int, int]:
+    """Blocks fetched of `value_bytes`, and the capacity of a pool that holds them
+    (the write-behind pins at most half a pool)."""
+    n = max(1, (args.fetch_mib << 20) // value_bytes)
+    return n, 2 * n * value_bytes + (1 << 20)
+
+
+def _trace_layout() -> Any:
+    from kvd_client import Layout
+
+    return Layout("bench-remote-trace", "bfloat16", 512, 1, False, 4096)
+
+
+def _latency_layout() -> Any:
+    from kvd_client import Layout
+
+    return Layout("bench-remote-latency", "bfloat16", 16, 1, False, 64 << 10)
+
+
+def _host_bytes(args: argparse.Namespace) -> str:
+    """`max_total_bytes` of A and B: B holds `--rounds` fetch pools of a size at
+    once (A one), and both the latency pool; or a replay host's one pool."""
+    fetch = max(
+        args.rounds * pool_footprint("fetch0", _fetch_layout(v), _fetch_capacity(v, args)[1])
+        for v in args.value_bytes
+    )
+    latency = pool_footprint("lat", _latency_layout(), LATENCY_POOL_BYTES)
+    trace = pool_footprint("trace", _trace_layout(), args.capacity * 4096)
+    return max_total_bytes([max(fetch + latency, trace)])
+
+
+def _daemon(url: str | None, total: str, **flags: str) -> DaemonProcess:
+    base = {**PRIVATE_FLAGS, "max-total-bytes": total}
     if url:
         base.update({"remote-url": url, "remote-write-max-bytes": "2GiB",
                      "remote-fetch-max-bytes": "2GiB", "remote-timeout-ms": "5000"})  # fmt: skip
     base.update(flags)
-    return DaemonProcess(base=base).start()
+    daemon = DaemonProcess(base=base)
+    try:
+        return daemon.start()
+    except BaseException:
+        daemon.stop()  # one that did not answer in time still runs
+        raise
 
 
 def _wait(what: str, check: Any, timeout: float = 300.0, poll: float = 0.001) -> float:
@@ -117,7 +161,7 @@ def _fetch_rows(
     import redis
 
     from kvd.io.remote_value import layout_fingerprint, remote_key
-    from kvd_client import Layout, Scheduler
+    from kvd_client import Scheduler
     from kvd_client.geometry import Geometry
 
     host, _, port = url.removeprefix("redis://").partition(":")
@@ -126,10 +170,9 @@ def _fetch_rows(
     client = redis.Redis(host=host, port=int(port.split("/")[0]), socket_read_size=1 << 20)
     rows = []
     for value_bytes in args.value_bytes:
-        n = max(1, (args.fetch_mib << 20) // value_bytes)
-        layout = Layout(f"bench-remote-{value_bytes}", "bfloat16", 16, 1, False, value_bytes)
+        n, cap = _fetch_capacity(value_bytes, args)
+        layout = _fetch_layout(value_bytes)
         keys = [f"fetch/{value_bytes}/{i}".encode() for i in range(n)]
-        cap = 2 * n * value_bytes + (1 << 20)  # the write-behind pins at most half a pool
         _log(f"remote: {n} blocks of {value_bytes} bytes stored on A ...")
         with Scheduler("fetch", layout, engine_id="bench-a", endpoint=a.endpoint,
                        capacity_bytes=cap, timeout_ms=60_000) as sa:  # fmt: skip
@@ -180,13 +223,13 @@ def _fetch_rows(
 def _latency_rows(
     a: DaemonProcess, b: DaemonProcess, args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    from kvd_client import Layout, Scheduler
+    from kvd_client import Scheduler
 
-    layout = Layout("bench-remote-latency", "bfloat16", 16, 1, False, 64 << 10)
+    layout = _latency_layout()
     rows = []
     with Scheduler("lat", layout, engine_id="bench-a", endpoint=a.endpoint,
-                   capacity_bytes=256 << 20) as sa, Scheduler(
-        "lat", layout, engine_id="bench-b", endpoint=b.endpoint, capacity_bytes=256 << 20
+                   capacity_bytes=LATENCY_POOL_BYTES) as sa, Scheduler(
+        "lat", layout, engine_id="bench-b", endpoint=b.endpoint, capacity_bytes=LATENCY_POOL_BYTES
     ) as sb:  # fmt: skip
         for nkeys in args.lookup_keys:
             local, remote, miss = [], [], []
@@ -216,9 +259,9 @@ def _latency_rows(
 
 def _replay(requests: list[list[int]], hosts: list[DaemonProcess], capacity: int,
             seed: int) -> float:  # fmt: skip
-    from kvd_client import Layout, Scheduler
+    from kvd_client import Scheduler
 
-    layout = Layout("bench-remote-trace", "bfloat16", 512, 1, False, 4096)
+    layout = _trace_layout()
     rng = random.Random(seed)
     scheds = [Scheduler("trace", layout, engine_id=f"bench-{i}", endpoint=h.endpoint,
                         capacity_bytes=capacity * 4096, timeout_ms=60_000)
@@ -257,8 +300,10 @@ def _trace_rows(url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     # One host with every request: the hit rate two hosts lose by splitting them.
     for num_hosts, remote in ((1, False), (2, False), (2, True)):
-        hosts = [_daemon(url if remote else None) for _ in range(num_hosts)]
+        hosts: list[DaemonProcess] = []
         try:
+            for _ in range(num_hosts):
+                hosts.append(_daemon(url if remote else None, _host_bytes(args)))
             _log(f"remote: replaying {len(requests)} requests on {num_hosts} host(s), "
                  f"remote tier {remote}")  # fmt: skip
             rate = _replay(requests, hosts, args.capacity, seed=7)
@@ -279,17 +324,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not available():
             raise SuiteError("redis-server is not installed: apt-get install redis-server, "
                              "or pass --remote-url redis://host:port")  # fmt: skip
-        server = RedisServer(None, "--maxmemory", "0").start()
+        server = RedisServer(None, "--maxmemory", "0")
         url = server.url
     try:
+        if server is not None:
+            server.start()
         rows: list[dict[str, Any]] = []
-        a, b = _daemon(url), _daemon(url)
+        a = _daemon(url, _host_bytes(args))
         try:
-            rows += _fetch_rows(url, a, b, args)
-            rows += _latency_rows(a, b, args)
+            b = _daemon(url, _host_bytes(args))
+            try:
+                rows += _fetch_rows(url, a, b, args)
+                rows += _latency_rows(a, b, args)
+            finally:
+                b.stop()
         finally:
             a.stop()
-            b.stop()
         if server is not None:
             server.cli("flushall")
         rows += _trace_rows(url, args)

@@ -35,6 +35,7 @@ import signal
 import time
 from typing import Any
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 
 SLOT_BYTES = 256
@@ -140,13 +141,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for num_blocks in args.sizes:
         layout = Layout(*LAYOUT_ARGS)
-        flags = {**PRIVATE_FLAGS, "log-level": "info",
-                 "max-total-bytes": f"{num_blocks * (SLOT_BYTES + 400) + (64 << 20)}"}  # fmt: skip
+        capacity = num_blocks * SLOT_BYTES
+        total = max_total_bytes([pool_footprint("bench-restart", layout, capacity)])
+        flags = {**PRIVATE_FLAGS, "log-level": "info", "max-total-bytes": total}
         daemon = DaemonProcess(base=flags)
         daemon.start()
         try:
             keys = [_key(i) for i in range(num_blocks)]
-            capacity = num_blocks * SLOT_BYTES
             with Scheduler("bench-restart", layout, engine_id="bench", endpoint=daemon.endpoint,
                            capacity_bytes=capacity, timeout_ms=60_000) as s:  # fmt: skip
                 assert s.attached is not None

@@ -21,10 +21,12 @@ import time
 from multiprocessing.synchronize import Barrier
 from typing import Any
 
+from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 
 NUM_KEYS = 64
 LAYOUT_ARGS = ("bench-rpc", "bfloat16", 16, 1, False, 4096)
+POOL_BYTES = 16 << 20
 
 
 # With --distinct, clients cycle through this many different 64-key lookups.
@@ -123,7 +125,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     rows = []
     windows = NUM_WINDOWS if args.distinct else 1
-    flags = {**PRIVATE_FLAGS, "max-total-bytes": "256MiB"}
+    footprint = pool_footprint("bench-rpc", Layout(*LAYOUT_ARGS), POOL_BYTES)
+    flags = {**PRIVATE_FLAGS, "max-total-bytes": max_total_bytes([footprint])}
     if args.policy is not None:
         flags["policy"] = args.policy
     with DaemonProcess(base=flags) as daemon:
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             Layout(*LAYOUT_ARGS),
             engine_id="setup",
             endpoint=daemon.endpoint,
-            capacity_bytes=16 << 20,
+            capacity_bytes=POOL_BYTES,
         ) as s:
             for window in range(windows):
                 s.prepare_store(_keys(window))

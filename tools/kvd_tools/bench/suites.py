@@ -6,7 +6,15 @@ Adding a suite takes two steps:
    `run(args: argparse.Namespace) -> list[Row]` (rows carry the SPEC section 10
    field names, in column order) and, optionally,
    `summarize(rows: list[Row]) -> list[str]` (lines printed under the table);
-2. add `"<name>": Suite("kvd_tools.bench.<name>", help, add_arguments)` to `SUITES`.
+2. add `"<name>": Suite("kvd_tools.bench.<name>", help, add_arguments, quick)`
+   to `SUITES`, where `quick` holds the flag values of its `--quick` form
+   (SPEC section 10: seconds, small sizes; `make test` runs it, see
+   `tests/integration/test_bench_quick.py`).
+
+`--quick` is one flag of every suite, handled here: a suite's `run()` sees
+the `quick` values in place of its defaults, and knows nothing of it. A
+flag given on the command line wins over both (`kvd bench rpc --quick --ops
+1000`).
 
 The registry imports no suite module: flags are declared here, and a suite
 module (with its torch, zmq, ...) is imported only when it runs, so `kvd
@@ -16,9 +24,10 @@ module (with its torch, zmq, ...) is imported only when it runs, so `kvd
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvd_tools.bench.soak import add_arguments as _soak_arguments  # imports argparse only
 
@@ -32,6 +41,59 @@ class Suite:
     module: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
+    quick: Mapping[str, Any]  # argument name -> its value under --quick
+
+
+class _NotGiven:
+    """The default of a flag that `--quick` sets, until `resolve_args` picks
+    the default or the quick value: a flag given on the command line wins."""
+
+    __slots__ = ("default",)
+
+    def __init__(self, default: Any) -> None:
+        self.default = default
+
+    def __repr__(self) -> str:
+        return repr(self.default)
+
+
+def add_suite_arguments(p: argparse.ArgumentParser, name: str) -> None:
+    """Suite `name`'s flags and `--quick`, on `p`; call `resolve_args` after parsing."""
+    suite = SUITES[name]
+    suite.add_arguments(p)
+    unknown = sorted(set(suite.quick) - set(vars(p.parse_args([]))))
+    if unknown:
+        raise ValueError(f"suite {name!r}: --quick sets no such argument {unknown}")
+    p.set_defaults(**{dest: _NotGiven(p.get_default(dest)) for dest in suite.quick})
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, a few seconds: the form `make test` runs ("
+        + ", ".join(f"{dest.replace('_', '-')} {_show(v)}" for dest, v in suite.quick.items())
+        + ")",
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def resolve_args(name: str, args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with each flag not given set to its `--quick` value, or its default."""
+    quick = SUITES[name].quick if getattr(args, "quick", False) else {}
+    for dest, value in vars(args).items():
+        if isinstance(value, _NotGiven):
+            setattr(args, dest, quick.get(dest, value.default))
+    return args
+
+
+def suite_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments suite `name` runs with given `argv` (none: its defaults)."""
+    p = argparse.ArgumentParser(prog=f"kvd bench {name}")
+    add_suite_arguments(p, name)
+    return resolve_args(name, p.parse_args(argv or []))
 
 
 def positive_ints(text: str) -> list[int]:
@@ -404,60 +466,92 @@ SUITES: dict[str, Suite] = {
         "kvd_tools.bench.index",
         "block index: us per key and bytes per block, by size and policy",
         _index_arguments,
+        {"sizes": [1000, 4000], "min_batches": 20, "min_seconds": 0.0},
     ),
     "trace": Suite(
         "kvd_tools.bench.trace",
         "hit rate of each policy and of Belady's optimum replaying a request trace",
         _trace_arguments,
+        {"capacity": [2000]},
     ),
     "rpc": Suite(
         "kvd_tools.bench.rpc",
         "lookup of 64 keys: p50/p99 and ops/s at 1, 4, 8 clients, against a bare pyzmq echo",
         _rpc_arguments,
+        {"clients": [1, 2], "ops": 300},
     ),
     "mla": Suite(
         "kvd_tools.bench.mla",
         "host and device-to-host bytes per block, replicated vs sharded, at TP=N",
         _mla_arguments,
+        {"world_sizes": [2]},
     ),
     "e2e": Suite(
         "kvd_tools.bench.e2e",
         "demo engine time to first token: cached prefix vs recompute, by prompt length",
         _e2e_arguments,
+        {"prompt_tokens": [64, 256], "repeats": 1, "variant": "mha"},  # throughput: mla
     ),
     "throughput": Suite(
         "kvd_tools.bench.throughput",
         "demo engine requests/s at kvd hit rates from 0 to 1",
         _throughput_arguments,
+        {
+            "hit_rates": [0.0, 1.0],
+            "prompts": 2,
+            "prompt_tokens": 256,
+            "repeats": 1,
+            "variant": "mla",
+        },
     ),
     "soak": Suite(
         "kvd_tools.bench.soak",
         "the daemon under faults: ops, faults, violations (must be 0), RSS after warm-up",
         _soak_arguments,
+        {"seconds": 10.0},
     ),
     "transfer": Suite(
         "kvd_tools.bench.transfer",
         "scattered store/load GB/s through the copy backend vs one contiguous torch copy",
         _transfer_arguments,
+        {"total_mb": 8, "repeats": 1},
     ),
     "lookup": Suite(
         "kvd_tools.bench.lookup",
         "Scheduler.lookup from the ready table vs the round trip vs BlockIndex in process",
         _lookup_arguments,
+        {"keys": [1, 64], "blocks": 2000, "repeats": 200, "rounds": 1},
     ),
     "restart": Suite(
         "kvd_tools.bench.restart",
         "the cache across a daemon SIGKILL: blocks back and verified, seconds to the first hit",
         _restart_arguments,
+        {"sizes": [2000]},
     ),
     "remote": Suite(
         "kvd_tools.bench.remote",
         "the remote tier on Redis: fetch GB/s vs a bare GET, remote lookup latency, 2-host trace",
         _remote_arguments,
+        {
+            "value_bytes": [64 << 10],
+            "fetch_mib": 8,
+            "rounds": 1,
+            "lookup_keys": [1],
+            "trials": 3,
+            "requests": 200,
+            "capacity": 200,
+        },
     ),
     "vllm": Suite(
         "kvd_tools.bench.vllm_bench",
         "real vLLM with kvd: TTFT vs recompute, scheduler cost vs vLLM's own manager, chat",
         _vllm_arguments,
+        {
+            "prompt_tokens": [256],
+            "waiting": [1, 4],
+            "keys_per_request": 16,
+            "steps": 5,
+            "parts": "ttft,scheduler",
+        },
     ),
 }

@@ -53,18 +53,22 @@ def _pass(
     return {rate: (seconds[rate], cached[rate]) for rate in rates}
 
 
-def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+def engine_config(variant: Variant, endpoint: str, args: argparse.Namespace) -> EngineConfig:
     model = ModelConfig(variant=variant)
-    rates: list[float] = args.hit_rates
-    prompts = random_prompts(args.prompts, args.prompt_tokens, model.vocab, seed=11)
     per_prompt = blocks_for(args.prompt_tokens, model.block_tokens)
-    config = EngineConfig.sized(
+    return EngineConfig.sized(
         model,
         endpoint,
         f"kvd-bench-throughput-{variant}",
         max_tokens=args.prompt_tokens + args.gen_tokens,
-        pool_bytes=pool_bytes(model, 2, 2 * len(rates) * per_prompt),
+        pool_bytes=pool_bytes(model, 2, 2 * len(args.hit_rates) * per_prompt),
     )
+
+
+def run_variant(config: EngineConfig, args: argparse.Namespace) -> list[dict[str, Any]]:
+    model, variant = config.model, config.model.variant
+    rates: list[float] = args.hit_rates
+    prompts = random_prompts(args.prompts, args.prompt_tokens, model.vocab, seed=11)
     best: dict[float, tuple[float, int]] = {}
     with Engine(config, f"kvd-bench-throughput-{variant}") as engine:
         engine.generate(prompts[0], use_kvd=False)  # untimed: touches the KV cache's pages
@@ -89,7 +93,7 @@ def run_variant(variant: Variant, endpoint: str, args: argparse.Namespace) -> li
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = run_variants(args, run_variant)
+    rows = run_variants(args, engine_config, run_variant)
     if args.png is not None:
         from kvd_tools.demo.chart import Series, line_chart
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
+from kvd_tools.bench.sizing import footprint_bound, max_total_bytes
 from kvd_tools.bench.suites import SuiteError
 from kvd_tools.demo.workload import FULL, Conversations, random_prompts
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
@@ -63,6 +64,15 @@ PAGE_BYTES = (
     * BENCH_LLAMA["hidden_size"] // BENCH_LLAMA["num_attention_heads"] * BLOCK_SIZE * 2
 )  # fmt: skip
 POOL_BYTES = 1 << 30  # a pool: 256k tokens of BENCH_LLAMA's 4 KiB a token
+TOKEN_BYTES = 4096  # BENCH_LLAMA's KV cache a token: no pool's rows are shorter
+
+
+def daemon_bytes(args: argparse.Namespace, parts: set[str]) -> str:
+    """`max_total_bytes` for the pools of `parts`, all held to the end."""
+    pools = [POOL_BYTES] * len(parts & {"ttft", "multiturn"})
+    if "scheduler" in parts:
+        pools += [2 * w * args.keys_per_request * 4096 for w in args.waiting]
+    return max_total_bytes(footprint_bound(c, TOKEN_BYTES) for c in pools)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -77,7 +87,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvd-bench-vllm-") as tmp,
-        DaemonProcess(base={**PRIVATE_FLAGS, "max-total-bytes": "4GiB"}) as daemon,
+        DaemonProcess(
+            base={**PRIVATE_FLAGS, "max-total-bytes": daemon_bytes(args, parts)}
+        ) as daemon,
     ):
         model = write_model(Path(tmp) / "llama", BENCH_LLAMA)
         if "ttft" in parts:
@@ -160,6 +172,7 @@ def ttft_rows(args: argparse.Namespace, daemon: DaemonProcess, model: str) -> li
                     raise SuiteError(f"kvd did not serve the {n}-token prefix to vLLM")
             ttft_kvd = statistics.median(kvd_s)
             rows.append({
+                "model": "llama",
                 "prompt_tokens": n,
                 "ttft_recompute_ms": recompute_s * 1e3,
                 "ttft_kvd_ms": ttft_kvd * 1e3,
@@ -261,6 +274,8 @@ def chat_turns(turns: int, vocab: int) -> list[list[int]]:
 def multiturn_rows(
     args: argparse.Namespace, daemon: DaemonProcess, model: str
 ) -> list[dict[str, Any]]:
+    if args.turns < 2:
+        raise SuiteError("--turns must be 2 or more: kvd serves a conversation's later turns")
     prompts = chat_turns(args.turns, BENCH_LLAMA["vocab_size"])
     longest = max(len(q) for q in prompts)
     if args.gpu_blocks * BLOCK_SIZE < longest + 64:
