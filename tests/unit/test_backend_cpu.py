@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -135,11 +136,63 @@ def pairs(
     return device, pool
 
 
-def expect_ok(results: list[CopyResult], nbytes: int) -> None:
-    assert len(results) == 1
-    assert results[0].ok, results[0].error
-    assert results[0].nbytes == nbytes
-    assert results[0].seconds >= 0
+# No CPU copy moves bytes faster than this: a result claiming more is not a copy.
+MAX_BYTES_PER_SECOND = 1e12
+
+
+def copy_job(
+    pool: Pool,
+    backend: CpuBackend,
+    layers: list[torch.Tensor],
+    job: CopyJob,
+    rank: int = 0,
+    wait: bool = False,
+) -> CopyResult:
+    """Runs `job` and checks its one result against what the copy did to memory:
+    every destination page holds its source's bytes (offsets from SPEC section 3),
+    nothing else changed on either side, `nbytes` is the bytes moved, and `seconds`
+    is above zero and within the time the call took."""
+    geometry = pool.geometry
+    region = torch.frombuffer(pool.mm, dtype=torch.uint8)
+    try:
+        pool_before = region.clone()
+        layers_before = [as_rows(t).clone() for t in layers]
+        start = time.perf_counter()
+        backend.submit(job)
+        results = backend.wait([job.job_id]) if wait else backend.poll()
+        wall = time.perf_counter() - start
+        assert len(results) == 1, results
+        (result,) = results
+        assert result.job_id == job.job_id
+        assert result.ok, result.error
+        pairs = list(zip(job.device_block_ids, job.pool_block_ids, strict=True))
+        copies = job.kind == "load" or job.writer
+        page_bytes = [rows.shape[1] for rows in layers_before]
+        assert result.nbytes == (len(pairs) * sum(page_bytes) if copies else 0)  # bytes moved
+        assert 0 < result.seconds <= wall, (result.seconds, wall)
+        assert result.seconds >= result.nbytes / MAX_BYTES_PER_SECOND, result
+        # The snapshots become what memory must hold: a store changes only the
+        # pool (from the unchanged layers), a load only the layers.
+        expected_pool, expected_layers = pool_before, layers_before
+        for d, p in pairs if copies else ():
+            offset = geometry.slot_offset(p, rank)
+            for rows, page in zip(expected_layers, page_bytes, strict=True):
+                if job.kind == "store":
+                    expected_pool[offset : offset + page] = rows[d]
+                else:
+                    rows[d] = pool_before[offset : offset + page]
+                offset += page
+        assert torch.equal(region, expected_pool), "the pool does not hold what the job copied"
+        for i, t in enumerate(layers):
+            assert torch.equal(as_rows(t), expected_layers[i]), f"layer {i} is not what was copied"
+        return result
+    finally:
+        del region  # Pool.close() unmaps: no view of the region may outlive the check
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A cache tensor's bytes, one row per device block (a copy if it is strided)."""
+    return t.contiguous().view(len(t), -1).view(torch.uint8)
 
 
 def round_trip(
@@ -151,20 +204,11 @@ def round_trip(
     rank: int = 0,
 ) -> None:
     """Store, check the slots byte for byte against SPEC section 3, wipe, load, compare."""
-    geometry = pool.geometry
     original = [t.clone() for t in layers]
-    backend.submit(CopyJob(1, "store", device, pooled))
-    expect_ok(backend.poll(), len(device) * geometry.slot_bytes)
-    for d, p in zip(device, pooled, strict=True):
-        offset = geometry.slot_offset(p, rank)
-        for t in original:
-            page = as_bytes(t[d])
-            assert pool.bytes_at(offset, len(page)) == page
-            offset += len(page)
+    copy_job(pool, backend, layers, CopyJob(1, "store", device, pooled), rank)
     for t in layers:
         t.zero_()
-    backend.submit(CopyJob(2, "load", device, pooled))
-    expect_ok(backend.wait([2]), len(device) * geometry.slot_bytes)
+    copy_job(pool, backend, layers, CopyJob(2, "load", device, pooled), rank, wait=True)
     moved = torch.zeros(len(layers[0]), dtype=torch.bool)
     moved[device] = True
     for t, o in zip(layers, original, strict=True):
@@ -249,15 +293,15 @@ def test_replicated_pool_has_one_writer_and_every_rank_loads(pools: list[Pool]) 
     rank0, rank1 = pool.backend(kv0, rank=0), pool.backend(kv1, rank=1)
     device, pooled = [3, 1, 4], [5, 0, 2]
 
-    rank1.submit(CopyJob(7, "store", device, pooled, writer=False))
-    expect_ok(rank1.poll(), 0)
+    skipped = copy_job(pool, rank1, [kv1], CopyJob(7, "store", device, pooled, writer=False), 1)
+    assert skipped.nbytes == 0
     assert not any(pool.mm[:])  # the non-writer copied nothing
-    rank0.submit(CopyJob(7, "store", device, pooled, writer=True))
-    expect_ok(rank0.poll(), 3 * 16 * KiB)
+    stored = copy_job(pool, rank0, [kv0], CopyJob(7, "store", device, pooled, writer=True))
+    assert stored.nbytes == 3 * 16 * KiB
 
     kv1.zero_()
-    rank1.submit(CopyJob(8, "load", device, pooled))
-    expect_ok(rank1.poll(), 3 * 16 * KiB)
+    loaded = copy_job(pool, rank1, [kv1], CopyJob(8, "load", device, pooled), rank=1)
+    assert loaded.nbytes == 3 * 16 * KiB
     assert torch.equal(kv1[device].view(torch.uint8), kv0[device].view(torch.uint8))
 
 
@@ -319,8 +363,7 @@ def test_bad_job_fails_cleanly_and_copies_nothing(
     assert result.error is not None and message in result.error
     assert pool.mm[:] == host_before
     assert torch.equal(kv.view(torch.uint8), kv_before.view(torch.uint8))
-    backend.submit(CopyJob(10, "store", [0], [0]))  # the backend still works
-    expect_ok(backend.poll(), 16 * KiB)
+    copy_job(pool, backend, [kv], CopyJob(10, "store", [0], [0]))  # the backend still works
 
 
 @pytest.mark.parametrize("path", ["default", "native", "no_span"])
@@ -329,8 +372,7 @@ def test_a_cache_resized_under_the_backend_is_refused(pools: list[Pool], path: s
     pool = new_pool(pools, 4 * 512, 6)
     kv = [random_pages(8, 512, torch.uint8, seed=i) for i in range(4)]
     backend = pool.backend(kv, **PATHS[path])
-    backend.submit(CopyJob(1, "store", [0, 1], [0, 1]))
-    expect_ok(backend.poll(), 2 * 4 * 512)
+    assert copy_job(pool, backend, kv, CopyJob(1, "store", [0, 1], [0, 1])).nbytes == 2 * 4 * 512
     kv[2].resize_(64, 1 << 20)  # far larger: the storage moves
     host_before = pool.mm[:]
     backend.submit(CopyJob(2, "store", [2, 3], [2, 3]))
@@ -341,14 +383,14 @@ def test_a_cache_resized_under_the_backend_is_refused(pools: list[Pool], path: s
 
 def test_results_come_once_from_poll_or_wait(pools: list[Pool]) -> None:
     pool = new_pool(pools, 16 * KiB, 4)
-    backend = pool.backend(random_pages(4, 16 * KiB, torch.bfloat16, seed=0))
+    kv = random_pages(4, 16 * KiB, torch.bfloat16, seed=0)
+    backend = pool.backend(kv)
     for job_id in (1, 2, 3, 4):
         backend.submit(CopyJob(job_id, "store", [job_id - 1], [job_id - 1]))
     assert [r.job_id for r in backend.wait([3, 1, 99, 3])] == [3, 1]
     assert [r.job_id for r in backend.poll()] == [2, 4]
     assert backend.poll() == [] and backend.wait([1, 2]) == []
-    backend.submit(CopyJob(5, "load", [], []))
-    expect_ok(backend.poll(), 0)
+    assert copy_job(pool, backend, [kv], CopyJob(5, "load", [], [])).nbytes == 0
 
 
 def test_closed_backend_refuses_jobs_and_frees_the_region(pools: list[Pool]) -> None:
