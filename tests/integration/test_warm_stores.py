@@ -9,7 +9,9 @@ jobs' deadlines passed, and every other slot serves stores at once.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -43,12 +45,10 @@ def _load_equals(s: Scheduler, w: Worker, cache: torch.Tensor, k: bytes, content
     assert torch.equal(cache[7], block_content(content, ELEMS)), f"{k.hex()} holds other bytes"
 
 
-def test_a_store_job_of_the_dead_daemon_keeps_its_slot_and_other_slots_serve_at_once() -> None:
-    """Pool of 2 blocks: A ready in one slot, B's store job pushed to the worker
-    (not run yet) into the other. After the restart, C is stored within a second
-    of the daemon listening, into A's slot (B's is held), and when the dead
-    daemon's job for B is then copied it lands in its own held slot: C keeps
-    its bytes. Once the hold passes, the held slot serves stores again."""
+@contextlib.contextmanager
+def two_block_pool() -> Iterator[tuple[DaemonProcess, Scheduler, Worker, torch.Tensor]]:
+    """A daemon, a pool of 2 blocks, a scheduler and a worker whose device blocks
+    0 to 3 hold contents 1 to 4, and key 1 stored from block 0."""
     d = DaemonProcess(lease_ms="3000", job_timeout_ms=str(JOB_TIMEOUT_MS)).start()
     cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
     try:
@@ -60,36 +60,46 @@ def test_a_store_job_of_the_dead_daemon_keeps_its_slot_and_other_slots_serve_at_
             for i in range(4):
                 cache[i] = block_content(i + 1, ELEMS)
             _store(s, w, key(1), 0)
-            old = s.store([key(2)], [1])
-            assert old is not None and old.job_id is not None
-            w._conn.receive(2000)
-            w._launch()  # the job arrived; the engine has not named it yet
-            assert old.job_id in w._arrived
-
-            kill_and_restart(d, s, w)
-            listening = time.monotonic()
-            info = pool_info(d, "p")
-            assert info is not None and info.blocks_held == 1 and info.blocks_ready == 1
-            while (new := s.store([key(3)], [2])) is None:
-                assert time.monotonic() - listening < 1.0, "no store accepted within 1 s"
-                time.sleep(0.01)
-            assert new.job_id is not None and new.evicted_keys == [key(1)]
-            assert w.wait([new.job_id])[new.job_id]
-            _until("C ready", lambda: s.finished() is not None and s.lookup([key(3)]) == 1)
-
-            # The dead daemon's job is named now, within its deadline: it copies
-            # B's bytes into the slot it names, which the new daemon held back.
-            assert w.wait([old.job_id], timeout_s=5)[old.job_id], "the old job did not run"
-            _load_equals(s, w, cache, key(3), 3)
-            assert pool_info(d, "p").blocks_held == 1  # type: ignore[union-attr]
-
-            _until("the held slot released",
-                   lambda: pool_info(d, "p").blocks_held == 0, 2.5 * JOB_TIMEOUT_MS / 1000)  # type: ignore[union-attr]  # fmt: skip
-            _store(s, w, key(4), 3)  # into the slot B's job named
-            _load_equals(s, w, cache, key(4), 4)
-            _load_equals(s, w, cache, key(3), 3)
+            yield d, s, w, cache
     finally:
         d.stop()
+
+
+def test_a_store_job_of_the_dead_daemon_keeps_its_slot_and_other_slots_serve_at_once() -> None:
+    """Pool of 2 blocks: A ready in one slot, B's store job pushed to the worker
+    (not run yet) into the other. After the restart, C is stored within a second
+    of the daemon listening, into A's slot (B's is held), and when the dead
+    daemon's job for B is then copied it lands in its own held slot: C keeps
+    its bytes. Once the hold passes, the held slot serves stores again."""
+    with two_block_pool() as (d, s, w, cache):
+        old = s.store([key(2)], [1])
+        assert old is not None and old.job_id is not None
+        w._conn.receive(2000)
+        w._launch()  # the job arrived; the engine has not named it yet
+        assert old.job_id in w._arrived
+
+        kill_and_restart(d, s, w)
+        listening = time.monotonic()
+        info = pool_info(d, "p")
+        assert info is not None and info.blocks_held == 1 and info.blocks_ready == 1
+        while (new := s.store([key(3)], [2])) is None:
+            assert time.monotonic() - listening < 1.0, "no store accepted within 1 s"
+            time.sleep(0.01)
+        assert new.job_id is not None and new.evicted_keys == [key(1)]
+        assert w.wait([new.job_id])[new.job_id]
+        _until("C ready", lambda: s.finished() is not None and s.lookup([key(3)]) == 1)
+
+        # The dead daemon's job is named now, within its deadline: it copies
+        # B's bytes into the slot it names, which the new daemon held back.
+        assert w.wait([old.job_id], timeout_s=5)[old.job_id], "the old job did not run"
+        _load_equals(s, w, cache, key(3), 3)
+        assert pool_info(d, "p").blocks_held == 1  # type: ignore[union-attr]
+
+        _until("the held slot released",
+               lambda: pool_info(d, "p").blocks_held == 0, 2.5 * JOB_TIMEOUT_MS / 1000)  # type: ignore[union-attr]  # fmt: skip
+        _store(s, w, key(4), 3)  # into the slot B's job named
+        _load_equals(s, w, cache, key(4), 4)
+        _load_equals(s, w, cache, key(3), 3)
 
 
 def test_a_block_a_load_job_of_the_dead_daemon_reads_is_not_evicted_until_the_hold_ends() -> None:
@@ -97,39 +107,27 @@ def test_a_block_a_load_job_of_the_dead_daemon_reads_is_not_evicted_until_the_ho
     yet). After the restart A stays pinned for the dead daemon's job: a new
     store evicts B (not A, the older), and the old load, run then, reads A's
     own bytes. After the hold, A is evictable again."""
-    d = DaemonProcess(lease_ms="3000", job_timeout_ms=str(JOB_TIMEOUT_MS)).start()
-    cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
-    try:
-        with (
-            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
-                      capacity_bytes=2 * LAYOUT.slot_bytes) as s,
-            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
-        ):  # fmt: skip
-            for i in range(4):
-                cache[i] = block_content(i + 1, ELEMS)
-            _store(s, w, key(1), 0)
-            _store(s, w, key(2), 1)
-            old = s.load([key(1)], [5])
-            w._conn.receive(2000)
-            w._launch()
-            assert old in w._arrived
+    with two_block_pool() as (d, s, w, cache):
+        _store(s, w, key(2), 1)
+        old = s.load([key(1)], [5])
+        w._conn.receive(2000)
+        w._launch()
+        assert old in w._arrived
 
-            kill_and_restart(d, s, w)
-            info = pool_info(d, "p")
-            assert info is not None and info.blocks_ready == 2 and info.blocks_pinned == 1
-            assert info.blocks_held == 0
-            new = s.store([key(3)], [2])
-            assert new is not None and new.evicted_keys == [key(2)], "A was not kept pinned"
-            assert new.job_id is not None and w.wait([new.job_id])[new.job_id]
-            _until("C ready", lambda: s.finished() is not None and s.lookup([key(3)]) == 1)
-            cache[5].zero_()
-            assert w.wait([old], timeout_s=5)[old], "the old load did not run"
-            assert torch.equal(cache[5], block_content(1, ELEMS)), "the old load read other bytes"
+        kill_and_restart(d, s, w)
+        info = pool_info(d, "p")
+        assert info is not None and info.blocks_ready == 2 and info.blocks_pinned == 1
+        assert info.blocks_held == 0
+        new = s.store([key(3)], [2])
+        assert new is not None and new.evicted_keys == [key(2)], "A was not kept pinned"
+        assert new.job_id is not None and w.wait([new.job_id])[new.job_id]
+        _until("C ready", lambda: s.finished() is not None and s.lookup([key(3)]) == 1)
+        cache[5].zero_()
+        assert w.wait([old], timeout_s=5)[old], "the old load did not run"
+        assert torch.equal(cache[5], block_content(1, ELEMS)), "the old load read other bytes"
 
-            _until("the dead daemon's pin released",
-                   lambda: pool_info(d, "p").blocks_pinned == 0, 2.5 * JOB_TIMEOUT_MS / 1000)  # type: ignore[union-attr]  # fmt: skip
-            s.touch([key(3)])
-            newer = s.store([key(4)], [3])
-            assert newer is not None and newer.evicted_keys == [key(1)]
-    finally:
-        d.stop()
+        _until("the dead daemon's pin released",
+               lambda: pool_info(d, "p").blocks_pinned == 0, 2.5 * JOB_TIMEOUT_MS / 1000)  # type: ignore[union-attr]  # fmt: skip
+        s.touch([key(3)])
+        newer = s.store([key(4)], [3])
+        assert newer is not None and newer.evicted_keys == [key(1)]
