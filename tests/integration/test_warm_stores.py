@@ -30,6 +30,13 @@ def _until(what: str, done: object, seconds: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def _restart(d: DaemonProcess, s: Scheduler, w: Worker) -> None:
+    """`kill_and_restart`, then until the new daemon has both clients attached (a
+    worker that has not yet noticed the old daemon died still says connected)."""
+    kill_and_restart(d, s, w)
+    _until("both clients attached", lambda: (i := pool_info(d, "p")) and i.sessions == 2)
+
+
 def _store(s: Scheduler, w: Worker, k: bytes, device_block: int) -> None:
     """Stores `k` from `device_block` and waits until it is ready."""
     ticket = s.store([k], [device_block])
@@ -78,7 +85,7 @@ def test_a_store_job_of_the_dead_daemon_keeps_its_slot_and_other_slots_serve_at_
         w._launch()  # the job arrived; the engine has not named it yet
         assert old.job_id in w._arrived
 
-        kill_and_restart(d, s, w)
+        _restart(d, s, w)
         listening = time.monotonic()
         info = pool_info(d, "p")
         assert info is not None and info.blocks_held == 1 and info.blocks_ready == 1
@@ -114,7 +121,7 @@ def test_a_block_a_load_job_of_the_dead_daemon_reads_is_not_evicted_until_the_ho
         w._launch()
         assert old in w._arrived
 
-        kill_and_restart(d, s, w)
+        _restart(d, s, w)
         info = pool_info(d, "p")
         assert info is not None and info.blocks_ready == 2 and info.blocks_pinned == 1
         assert info.blocks_held == 0
