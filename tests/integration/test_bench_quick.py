@@ -154,7 +154,7 @@ def run_quick(suite: str, json_path: Path, log_path: Path) -> tuple[int, str]:
             if proc.poll() is None:  # this test itself was interrupted
                 proc.kill()
                 proc.wait()
-            leftover = _left_behind(tag, wait_s=0 if timed_out else 15.0)
+            leftover = _left_behind(tag, wait_s=5.0 if timed_out else 15.0)
             _kill_all(tag)
     tail = log_path.read_text(errors="replace")[-6000:]
     if timed_out:
