@@ -266,3 +266,15 @@ def test_every_suite_has_a_quick_test() -> None:
     assert set(SUITES) == set(SPEC_FIELDS)
     for name, suite in SUITES.items():
         assert suite.quick, f"{name} has no --quick values"
+
+
+def test_quick_values_give_way_to_the_flags_given() -> None:
+    from kvd_tools.bench.cli import default_args
+    from kvd_tools.bench.suites import SUITES, suite_args
+
+    quick = suite_args("rpc", ["--quick", "--ops", "5000"])  # 5000: the default, given
+    assert quick.ops == 5000 and quick.clients == SUITES["rpc"].quick["clients"]
+    assert suite_args("rpc", ["--ops", "7"]).clients == [1, 4, 8]  # no --quick: defaults
+    for name, suite in SUITES.items():  # `kvd bench all --quick`
+        args = default_args(name, quick=True)
+        assert all(getattr(args, dest) == value for dest, value in suite.quick.items())

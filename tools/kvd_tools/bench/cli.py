@@ -16,13 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd_tools.bench.report import Row, SuiteReport, render, suite_report, write_json
-from kvd_tools.bench.suites import (
-    SUITES,
-    SuiteError,
-    add_suite_arguments,
-    resolve_args,
-    suite_args,
-)
+from kvd_tools.bench.suites import SUITES, SuiteError, add_suite_arguments, resolve_args
 
 ALL = "all"
 
@@ -48,7 +42,7 @@ def add_bench_parser(sub: Any) -> None:
     suites = bench.add_subparsers(dest="suite", metavar="SUITE", required=True)
     for name, suite in SUITES.items():
         p = suites.add_parser(name, help=suite.help, description=suite.help)
-        add_suite_arguments(p, name)
+        add_suite_arguments(p, suite)
         _add_json_flag(p)
     every = suites.add_parser(
         ALL, help="run every suite with its defaults", description="Run every suite."
@@ -68,7 +62,9 @@ def add_bench_parser(sub: Any) -> None:
 
 def default_args(name: str, quick: bool = False) -> argparse.Namespace:
     """The arguments suite `name` runs with when given no flags (or only `--quick`)."""
-    return suite_args(name, ["--quick"] if quick else [])
+    p = argparse.ArgumentParser(prog=f"kvd bench {name}")
+    add_suite_arguments(p, SUITES[name])
+    return resolve_args(SUITES[name], p.parse_args(["--quick"] if quick else []))
 
 
 def run_suite(name: str, args: argparse.Namespace) -> tuple[list[Row], list[str]]:
@@ -98,7 +94,7 @@ def run_bench(args: argparse.Namespace) -> int:
             if hasattr(one, "png"):
                 one.png = args.plots / f"{name}.png"
         else:
-            one = resolve_args(name, args)
+            one = resolve_args(SUITES[name], args)
         try:
             rows, summary = run_suite(name, one)
         except SuiteError as exc:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ class Suite:
     module: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
-    quick: Mapping[str, Any]  # argument name -> its value under --quick
+    # Argument name -> its value under --quick; every suite of SUITES has some.
+    quick: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _NotGiven:
@@ -57,13 +58,12 @@ class _NotGiven:
         return repr(self.default)
 
 
-def add_suite_arguments(p: argparse.ArgumentParser, name: str) -> None:
-    """Suite `name`'s flags and `--quick`, on `p`; call `resolve_args` after parsing."""
-    suite = SUITES[name]
+def add_suite_arguments(p: argparse.ArgumentParser, suite: Suite) -> None:
+    """The suite's flags and `--quick`, on `p`; call `resolve_args` after parsing."""
     suite.add_arguments(p)
     unknown = sorted(set(suite.quick) - set(vars(p.parse_args([]))))
     if unknown:
-        raise ValueError(f"suite {name!r}: --quick sets no such argument {unknown}")
+        raise ValueError(f"{suite.module}: --quick sets no such argument {unknown}")
     p.set_defaults(**{dest: _NotGiven(p.get_default(dest)) for dest in suite.quick})
     p.add_argument(
         "--quick",
@@ -80,9 +80,9 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def resolve_args(name: str, args: argparse.Namespace) -> argparse.Namespace:
+def resolve_args(suite: Suite, args: argparse.Namespace) -> argparse.Namespace:
     """`args` with each flag not given set to its `--quick` value, or its default."""
-    quick = SUITES[name].quick if getattr(args, "quick", False) else {}
+    quick = suite.quick if getattr(args, "quick", False) else {}
     for dest, value in vars(args).items():
         if isinstance(value, _NotGiven):
             setattr(args, dest, quick.get(dest, value.default))
@@ -90,10 +90,10 @@ def resolve_args(name: str, args: argparse.Namespace) -> argparse.Namespace:
 
 
 def suite_args(name: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """The arguments suite `name` runs with given `argv` (none: its defaults)."""
+    """The arguments suite `name` of `SUITES` runs with given `argv` (none: its defaults)."""
     p = argparse.ArgumentParser(prog=f"kvd bench {name}")
-    add_suite_arguments(p, name)
-    return resolve_args(name, p.parse_args(argv or []))
+    add_suite_arguments(p, SUITES[name])
+    return resolve_args(SUITES[name], p.parse_args(argv or []))
 
 
 def positive_ints(text: str) -> list[int]:
