@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from kvd.config import FLAG_KEYS, Config, ConfigError, load_config
+from kvd.config import FLAG_KEYS, Config, ConfigError, load_config, redact
 from kvd.version import __version__
 
 # `kvd demo` and `kvd bench` live in the operator tools, which bring torch; the
@@ -106,7 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"kvd: {exc}", file=sys.stderr)
+        print(redact(f"kvd: {exc}"), file=sys.stderr)
         return 2
     setup_logging(config.log_level)
     from kvd.io.server import run
@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         return run(config)
     except (ValueError, OSError) as exc:
-        print(f"kvd: cannot start: {exc}", file=sys.stderr)
+        print(redact(f"kvd: cannot start: {exc}"), file=sys.stderr)
         return 1
 
 

@@ -54,10 +54,25 @@ _REMOTE_SCHEMES = {
 
 
 def redact_url(url: str) -> str:
-    """`url` with its credentials (user:password@) replaced by ***, for messages."""
+    """`url` with its credentials (whatever comes before its last `@`, after the
+    scheme if it has one) replaced by ***, for messages: also a value with no
+    `://`, such as `user:password@host:port`."""
     scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
     _, at, hosts = rest.rpartition("@")
     return f"{scheme}{sep}***@{hosts}" if at else url
+
+
+# Userinfo in free text: a run up to the last `@` of a word, after an optional
+# `key=` and scheme, e.g. `default:pw@host`, `redis://u:pw@h`, `url=u:pw@h`.
+_USERINFO = re.compile(r"((?:\b\w+=)?(?:[A-Za-z][A-Za-z0-9+.-]*://)?)[^\s'\"<>]+@")
+
+
+def redact(text: str) -> str:
+    """`text` (a message, a log line) with every userinfo-looking part replaced by
+    ***: nothing kvd prints or logs shows a credential that a value carried."""
+    return _USERINFO.sub(r"\1***@", text) if "@" in text else text
 
 
 def parse_remote_url(url: str) -> RemoteTarget:

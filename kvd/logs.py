@@ -1,10 +1,16 @@
-"""Runs in the daemon and the CLI: one log line per event, key=value fields, to stderr."""
+"""Runs in the daemon and the CLI: one log line per event, key=value fields, to stderr.
+
+Every line goes through `kvd.config.redact`: no userinfo (`user:password@`)
+of any value reaches the log.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
+
+from kvd.config import redact
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -19,7 +25,7 @@ class KeyValueFormatter(logging.Formatter):
         )
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
-        return line
+        return redact(line)  # no credential a value carried reaches the log
 
 
 def setup_logging(level: str) -> None:
