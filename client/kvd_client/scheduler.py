@@ -75,6 +75,9 @@ class Scheduler:
         # Table lookups not reported yet, as (keys, hits); the reporter thread drains
         # it every OBSERVE_EVERY_S, or at once when OBSERVE_BATCH are waiting.
         self._observed: collections.deque[tuple[list[bytes], int]] = collections.deque()
+        # Held while one thread drains `_observed` and posts it (the reporter and
+        # the engine's thread both flush): no IndexError, and batches go in order.
+        self._flush_lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._reporter: threading.Thread | None = None
@@ -206,17 +209,18 @@ class Scheduler:
         every few ms; this is for shutdown and tests). Not waited for: the daemon
         has them once it has read them. Returns how many were sent."""
         sent = 0
-        while self._observed:
-            batch: list[tuple[list[bytes], int]] = []
-            num_keys = 0  # a frame stays far below MAX_FRAME_BYTES
-            while self._observed and len(batch) < p.MAX_OBSERVED_LOOKUPS:
-                if batch and num_keys + len(self._observed[0][0]) > p.MAX_KEYS_PER_REQUEST:
-                    break
-                keys, hits = self._observed.popleft()
-                batch.append((keys, hits))
-                num_keys += len(keys)
-            if self._conn.post(p.Observe, [k for k, _ in batch], [h for _, h in batch]):
-                sent += len(batch)
+        with self._flush_lock:
+            while self._observed:
+                batch: list[tuple[list[bytes], int]] = []
+                num_keys = 0  # at most MAX_KEYS_PER_REQUEST keys per frame, as the daemon wants
+                while self._observed and len(batch) < p.MAX_OBSERVED_LOOKUPS:
+                    if batch and num_keys + len(self._observed[0][0]) > p.MAX_KEYS_PER_REQUEST:
+                        break
+                    keys, hits = self._observed.popleft()
+                    batch.append((keys, hits))
+                    num_keys += len(keys)
+                if self._conn.post(p.Observe, [k for k, _ in batch], [h for _, h in batch]):
+                    sent += len(batch)
         return sent
 
     def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
