@@ -17,6 +17,7 @@ import msgspec
 from kvd.config import Config
 from kvd.control.admin import PoolAdmin
 from kvd.control.leases import Leases
+from kvd.control.observed import ObservedLookups, check_observe, oversized
 from kvd.control.pools import Pool, PoolRegistry
 from kvd.control.remote import RemoteTier
 from kvd.control.sessions import Session, SessionTable
@@ -89,12 +90,17 @@ class Service:
         self.event_outbox = self.admin.event_outbox  # what the server publishes
         self.leases = Leases(config, pools, self.sessions, self.transfers, self.admin)
         self.last_type: type = p.Error  # type of the request handled last (metrics)
+        self.observed = ObservedLookups(pools, self.counters)  # the server applies them
         self.remote: RemoteTier | None = None  # the server sets it when remote_url is set
 
     # -- entry points ----------------------------------------------------------
 
     def handle(self, identity: bytes, frame: bytes, now: float) -> None:
         """One frame from one peer; replies go to `outbox`. Never raises."""
+        if (too_big := oversized(frame)) is not None:  # refused before a whole decode
+            self._renew_sender(identity, now)
+            self._error(identity, too_big[0], ErrorCode.BAD_REQUEST, too_big[1])
+            return
         try:
             request = p.request_decoder.decode(frame)
         except msgspec.ValidationError as exc:
@@ -219,6 +225,8 @@ class Service:
         owned, sid = pool.owned, s.session_id
         refused = self.admin.while_resetting(pool, req)
         if refused is not None:
+            if isinstance(req, p.Observe):
+                check_observe(req)  # a bad one is refused then too
             return refused
         match req:
             case p.Lookup(req_id, keys, pin):
@@ -233,13 +241,8 @@ class Service:
                 spec = owned.prepare_load(sid, keys[:hits], account=sid)
                 self.counters["loaded_blocks"] += hits
                 return p.LookupResult(req_id, hits, spec.slots)
-            case p.Observe(req_id, lookups, hits):
-                for keys in lookups:  # answered from the ready table: the policy learns
-                    owned.index.observe(keys)
-                self.counters["observed_lookups"] += len(lookups)
-                self.counters["lookups"] += len(lookups)  # as if they had come here
-                self.counters["lookup_keys"] += sum(len(keys) for keys in lookups)
-                self.counters["hit_blocks"] += sum(hits)
+            case p.Observe(req_id):  # answered from the ready table: checked, counted,
+                self.observed.add(pool, req)  # and queued for the policy (observed.py)
                 return p.Ok(req_id)
             case p.Touch(req_id, keys):
                 owned.index.touch(keys)

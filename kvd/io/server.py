@@ -228,9 +228,11 @@ class Server:
 
     def _publish(self, budget: int | None = PUBLISH_KEYS_PER_TURN) -> None:
         """Sends the index events of this loop turn, at most `budget` keys of them
-        (None: all; `EventPump`); the rest goes in the next turn, which comes at once."""
-        assert self._pump is not None
-        if self._pump.send(budget) and not self._publish_pending:
+        (None: all; `EventPump`), and teaches the policies a slice of the observed
+        lookups (`ObservedLookups`); the rest goes in the next turn, which comes at once."""
+        assert self._pump is not None and self.service is not None
+        more = self.service.observed.apply()
+        if (self._pump.send(budget) or more) and not self._publish_pending:
             self._publish_pending = True
             asyncio.get_running_loop().call_soon(self._publish_more)
 

@@ -31,6 +31,7 @@ from typing import Literal
 import msgspec
 import zmq
 
+from kvd.control.observed import check_observe
 from kvd.control.service import POOL_VERBS
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
@@ -334,6 +335,8 @@ class Model:
     def _verb(self, peer: Peer, sid: int, pm: PoolModel, req: p.Request, reply: p.Reply) -> p.Reply:
         owned, rid, name = pm.owned, req.req_id, peer.pool
         assert name is not None
+        if isinstance(req, p.Observe):  # its keys and hit counts are checked first
+            check_observe(req)
         if pm.resetting and not isinstance(req, p.CompleteLoad | p.CompleteStore):
             # No hits and no new transfers while a reset waits (completions drain it).
             self.events["verbs while resetting"] += 1

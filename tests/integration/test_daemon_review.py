@@ -9,9 +9,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import zmq
+
+from kvd_client import protocol as p
 from kvd_tools.launcher import DaemonProcess
 
 # -- 8: no credential in what kvd prints or logs ------------------------------------
@@ -48,3 +52,142 @@ def test_a_credential_in_the_remote_url_is_never_printed_or_logged(tmp_path: Pat
         assert "event=remote_tier" in log and SECRET not in log
     finally:
         d.stop()
+
+
+# -- helpers: raw DEALER sessions ---------------------------------------------------
+
+
+class Peer:
+    """One DEALER socket speaking the wire protocol."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        role: p.Role = "scheduler",
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
+        self.sock: zmq.Socket[bytes] = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.rid = 0
+        assert isinstance(self.ask(p.Hello, p.PROTOCOL_VERSION, role, "review"), p.Welcome)
+
+    def send(self, msg_type: type[p.Request], *args: object) -> int:
+        return self.send_frame(self.encode(msg_type, *args))
+
+    def encode(self, msg_type: type[p.Request], *args: object) -> tuple[int, bytes]:
+        """A frame of the next req_id, to send later (`send_frame`)."""
+        self.rid += 1
+        return self.rid, p.encoder.encode(msg_type(self.rid, *args))  # type: ignore[call-arg]
+
+    def send_frame(self, encoded: tuple[int, bytes]) -> int:
+        self.sock.send(encoded[1])
+        return encoded[0]
+
+    def receive(self, rid: int, timeout_s: float = 30.0) -> p.Reply:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000) + 1), f"no reply to {rid}"
+            reply = p.reply_decoder.decode(self.sock.recv())
+            if reply.req_id == rid:
+                return reply
+
+    def ask(self, msg_type: type[p.Request], *args: object, timeout_s: float = 30.0) -> p.Reply:
+        return self.receive(self.send(msg_type, *args), timeout_s)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RoundTrips:
+    """Another session's heartbeats, one after the other on a thread of their own,
+    while the test does its work: the longest round trip."""
+
+    def __init__(self, endpoint: str) -> None:
+        # A context of its own: the test's big frames do not delay its I/O thread.
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.peer = Peer(endpoint, "admin", self.ctx)
+        self.longest = 0.0
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            assert self.peer.ask(p.Heartbeat, timeout_s=60) == p.Ok(self.peer.rid)
+            self.longest = max(self.longest, time.monotonic() - t0)
+            self.count += 1
+            time.sleep(0.002)
+
+    def __enter__(self) -> RoundTrips:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        self.peer.close()
+        self.ctx.term()
+
+
+def counter(peer: Peer, name: str) -> int:
+    reply = peer.ask(p.Stats)
+    assert isinstance(reply, p.StatsResult)
+    return reply.counters.get(name, 0)
+
+
+# -- 4: Observe is bounded like every verb, and taught to the policy in slices -------
+
+OBSERVE_LAYOUT = p.Layout("review-model", "bfloat16", 16, 1, False, 256)
+
+
+def test_observe_is_bounded_and_never_holds_another_sessions_request() -> None:
+    one_key = [[i.to_bytes(8, "big")] for i in range(1024)]
+    # Frames under 8 MiB of about 2M keys each (a Lookup holds at most 65,536).
+    huge = [[j.to_bytes(2, "big") for j in range(i, i + 1900)] for i in range(1024)]
+    # Frames of 65,536 keys each (16 lookups of 4,096), none like another.
+    floods = [
+        [[(((n + 1) << 32) + (i << 16) + j).to_bytes(8, "big") for j in range(4096)]
+         for i in range(16)]
+        for n in range(30)
+    ]  # fmt: skip
+    # The adaptive policy, on 256K blocks; a lease that a busy test host does not end.
+    with DaemonProcess(default_pool_bytes="64MiB", lease_ms="5000") as d:
+        a = Peer(d.endpoint)
+        try:
+            assert isinstance(a.ask(p.Attach, "obs", OBSERVE_LAYOUT, None), p.Attached)
+            # Hits beyond the keys: one 10 KB frame once raised hit_blocks by 2^41.
+            hit_blocks = counter(a, "hit_blocks")
+            for hits in ([(1 << 31) - 1] * 1024, [2] + [0] * 1023, [0] * 3):
+                reply = a.ask(p.Observe, one_key, hits)
+                assert isinstance(reply, p.Error) and reply.code == "BAD_REQUEST", reply
+            assert counter(a, "hit_blocks") == hit_blocks
+            assert a.ask(p.Observe, one_key, [1] * 1024) == p.Ok(a.rid)
+            assert counter(a, "hit_blocks") == hit_blocks + 1024
+            # The huge frames are refused (before they are decoded whole); another
+            # session is answered meanwhile. (Encoded first: the test's own GIL.)
+            frames = [a.encode(p.Observe, huge, [0] * 1024) for _ in range(3)]
+            with RoundTrips(d.endpoint) as other:
+                time.sleep(0.1)
+                rids = [a.send_frame(f) for f in frames]
+                for rid in rids:
+                    reply = a.receive(rid, timeout_s=60)
+                    assert isinstance(reply, p.Error) and reply.code == "BAD_REQUEST", reply
+                time.sleep(0.1)
+            assert other.count > 3 and other.longest < 0.15, (other.count, other.longest)
+            # The full frames, as fast as they go: the policy learns them a slice at
+            # a time, with other requests answered in between.
+            observed = counter(a, "observed_lookups")
+            frames = [a.encode(p.Observe, lookups, [0] * 16) for lookups in floods]
+            with RoundTrips(d.endpoint) as other:
+                time.sleep(0.1)
+                rids = [a.send_frame(f) for f in frames]
+                for rid in rids:
+                    assert a.receive(rid, timeout_s=60) == p.Ok(rid)
+                time.sleep(0.5)
+            assert counter(a, "observed_lookups") == observed + 30 * 16
+            assert other.count > 3 and other.longest < 0.15, (other.count, other.longest)
+        finally:
+            a.close()
