@@ -42,7 +42,11 @@ of the dead daemon may still write the slot), or READY over a whole entry
 whose block's bytes were all acknowledged: a restart that adopts READY
 entries whose crc matches never serves a block that was being stored, and
 it holds back the STORING slots and keeps the pinned blocks (neither handed
-to a store) until the dead daemon's jobs' deadlines passed.
+to a store) until the dead daemon's jobs' deadlines passed. A Reset that
+waits for the pool's copies turns every READY entry FREE before it is
+acknowledged, a pinned one STORING first (held like a store in flight),
+and writes no READY entry until the pool is empty: a restart never brings
+back a block of an acknowledged Reset.
 """
 
 from __future__ import annotations

@@ -111,7 +111,9 @@ class PoolAdmin:
         The pool's jobs fail now, and from now on it serves no hit and takes no
         new transfer; the blocks go once nothing copies into or out of its
         slots any more (its jobs settled, its sessions' pins and stores
-        completed or rolled back), so no slot is reused under a copy.
+        completed or rolled back), so no slot is reused under a copy. Its
+        segment's slot table says they are gone before the reply
+        (`SlotTable.begin_reset`), so a warm restart never brings them back.
         """
         pool = self.pools.get(req.pool)
         attached = s.pool == pool.name and s.generation == pool.generation
@@ -128,6 +130,8 @@ class PoolAdmin:
             log.info("event=pool_reset_started pool=%s", req.pool)
         self._transfers.fail_pool(req.pool, f"pool {req.pool} reset")
         self.finish_resets()
+        if pool.resetting:  # acknowledged now: a warm restart must not bring them back
+            pool.region.table.begin_reset()
         return p.Ok(req.req_id)
 
     @staticmethod

@@ -35,6 +35,10 @@ except ImportError:  # pragma: no cover - depends on the install
     _warmstart = None
 
 
+# A reset's states: READY -> FREE, the others as they are (`SlotTable.begin_reset`).
+_READY_FREED = bytes(FREE if state == READY else state for state in range(256))
+
+
 def _positions(raw: bytes, value: int) -> list[int]:
     """The offsets in `raw` of the bytes equal to `value`, in order (C-speed finds)."""
     found, at = [], raw.find(value)
@@ -53,6 +57,7 @@ class SlotTable:
         self._base = header.table_offset
         self._mm = mmap.mmap(fd, header.data_offset)
         self.seq = 0  # the last store sequence number written
+        self.resetting = False  # a Reset waits for copies: nothing is written READY
         if fresh:
             self._mm[: header.table_offset] = header.pack().ljust(header.table_offset, b"\0")
 
@@ -62,6 +67,9 @@ class SlotTable:
             mm[base + slot * ENTRY_BYTES] = STORING
 
     def ready(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        if self.resetting:  # the pool's blocks are gone already: held, never served
+            self.storing(slots)
+            return
         mm, base, pack_into = self._mm, self._base, ENTRY.pack_into
         for slot, key in zip(slots, keys, strict=True):
             self.seq += 1
@@ -88,6 +96,24 @@ class SlotTable:
         n, base = self.header.num_blocks, self._base
         self._mm[base : base + n * ENTRY_BYTES : ENTRY_BYTES] = bytes(n)
         self._mm[base + PINNED_AT : base + n * ENTRY_BYTES : ENTRY_BYTES] = bytes(n)
+        self.resetting = False
+
+    def begin_reset(self) -> None:
+        """A Reset that waits for the pool's copies was acknowledged: from now on the
+        table holds no READY entry, so a next daemon adopts none of the pool's
+        blocks, and it still knows every slot a copy may touch. A READY entry that
+        is pinned (a load may read it) becomes STORING first, which a warm start
+        holds back like a store in flight; every other READY entry becomes FREE;
+        STORING entries stay. Until `reset`, a block made ready is written STORING."""
+        self.resetting = True
+        n, base, mm = self.header.num_blocks, self._base, self._mm
+        end = base + n * ENTRY_BYTES
+        states = bytearray(mm[base:end:ENTRY_BYTES])
+        for slot in _positions(mm[base + PINNED_AT : end : ENTRY_BYTES], 1):
+            if states[slot] == READY:
+                states[slot] = STORING
+                mm[base + slot * ENTRY_BYTES] = STORING  # before any READY goes FREE
+        mm[base:end:ENTRY_BYTES] = bytes(states).translate(_READY_FREED)
 
     def in_use(self) -> tuple[list[int], list[int]]:
         """What jobs of an earlier run may still touch (a warm start): the STORING

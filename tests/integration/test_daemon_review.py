@@ -6,6 +6,8 @@ test failed on the main before its fix; the commit that fixed it says how.
 
 from __future__ import annotations
 
+import collections
+import os
 import signal
 import subprocess
 import sys
@@ -13,9 +15,11 @@ import threading
 import time
 from pathlib import Path
 
+import posix_ipc
 import zmq
 
 from kvd_client import protocol as p
+from kvd_client.segment import ENTRY_BYTES, FREE, READY, STORING, read_segment_header
 from kvd_tools.launcher import DaemonProcess
 
 # -- 8: no credential in what kvd prints or logs ------------------------------------
@@ -191,3 +195,62 @@ def test_observe_is_bounded_and_never_holds_another_sessions_request() -> None:
             assert other.count > 3 and other.longest < 0.15, (other.count, other.longest)
         finally:
             a.close()
+
+
+# -- 6: an acknowledged Reset survives a warm restart -------------------------------
+
+RESET_LAYOUT = p.Layout("review-reset", "bfloat16", 16, 1, False, 4096)
+
+
+def segment_states(d: DaemonProcess, pool: str) -> dict[int, int]:
+    """How many entries of the pool's slot table are in each state (FREE, READY,
+    STORING), read from a copy of the segment's table."""
+    names = [n for n in d.segments() if n.startswith(f"/kvd.{pool}.") and not n.endswith(".ready")]
+    (name,) = names
+    seg = posix_ipc.SharedMemory(name)
+    try:
+        h = read_segment_header(seg.fd)
+        table = os.pread(seg.fd, h.num_blocks * ENTRY_BYTES, h.table_offset)
+    finally:
+        seg.close_fd()
+    return dict(collections.Counter(table[::ENTRY_BYTES]))
+
+
+def test_an_acknowledged_reset_is_not_undone_by_a_warm_restart() -> None:
+    keys = [i.to_bytes(8, "big") for i in range(1, 11)]
+    with DaemonProcess(lease_ms="5000") as d:
+        a = Peer(d.endpoint)
+        try:
+            assert isinstance(a.ask(p.Attach, "rst", RESET_LAYOUT, 64 * 4096), p.Attached)
+            out = a.ask(p.PrepareStore, keys[:8])
+            assert isinstance(out, p.PrepareStoreResult) and out.fits
+            assert a.ask(p.CompleteStore, keys[:8], True) == p.Ok(a.rid)
+            pinned = a.ask(p.PrepareLoad, keys[:2])  # a load in flight: the reset waits
+            assert isinstance(pinned, p.SlotsResult)
+            storing = a.ask(p.PrepareStore, keys[8:])  # a store in flight too
+            assert isinstance(storing, p.PrepareStoreResult) and storing.fits
+            assert segment_states(d, "rst") == {READY: 8, STORING: 2, FREE: 54}
+            assert a.ask(p.Reset, "rst") == p.Ok(a.rid)
+            # Acknowledged: the segment no longer holds a ready block. The slots a
+            # copy may still touch are held (STORING), never free to be reused.
+            assert segment_states(d, "rst").get(READY, 0) == 0
+            assert segment_states(d, "rst") == {STORING: 4, FREE: 60}
+            # The store in flight completes while the reset waits: never READY.
+            assert a.ask(p.CompleteStore, keys[8:], True) == p.Ok(a.rid)
+            assert segment_states(d, "rst") == {STORING: 4, FREE: 60}
+        finally:
+            a.close()
+        assert d.kill(signal.SIGTERM) == 0  # the reset still waits for the pins
+        d.start()
+        assert "event=pool_adopted pool=rst" in d.log()
+        b = Peer(d.endpoint)
+        try:
+            assert isinstance(b.ask(p.Attach, "rst", RESET_LAYOUT, 64 * 4096), p.Attached)
+            for k in keys:
+                assert b.ask(p.Lookup, [k]) == p.LookupResult(b.rid, 0), k.hex()
+            info = b.ask(p.Pools)
+            assert isinstance(info, p.PoolsResult)
+            (pool,) = info.pools
+            assert (pool.blocks_ready, pool.blocks_in_flight, pool.blocks_held) == (0, 0, 4)
+        finally:
+            b.close()
