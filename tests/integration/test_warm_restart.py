@@ -4,12 +4,14 @@ A real daemon, real engine processes (`torn_read_engine`, which stores, evicts
 and loads blocks whose bytes are a function of their key) and real shared
 memory. The daemon is SIGKILLed at random points of the workload, with the
 engines, and started again on the same runtime dir; what it adopts is checked
-against the segment's slot table as the dead daemon left it, and every
-adopted block's bytes are loaded and checked against its key.
+against the engines' own records of which stores were acknowledged and which
+were in flight at the kill, and every adopted block's bytes are loaded and
+checked against its key.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -133,35 +135,128 @@ def verify_loads(d: DaemonProcess, keys: list[bytes], pool: str, layout: Layout)
     return verified
 
 
-def engine(d: DaemonProcess, name: str, seed: int) -> subprocess.Popen[str]:
-    args = [sys.executable, str(ENGINE), d.endpoint, name, "60", str(seed)]
+def engine(
+    d: DaemonProcess, name: str, seed: int, record: Path, key_base: int
+) -> subprocess.Popen[str]:
+    # A 20 ms forward pass between each store's ticket and its copy: stores are
+    # in flight for most of the run, as in an engine, so most kills land on one.
+    args = [sys.executable, str(ENGINE), d.endpoint, name, "60", str(seed), str(record),
+            str(key_base), "20"]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             text=True, cwd=Path(__file__).parents[2])  # fmt: skip
 
 
-def test_sigkill_at_random_points_brings_back_exactly_the_ready_blocks(spawn: list) -> None:
+class StoreLog:
+    """What one engine's record (torn_read_engine's RECORD) says of its keys at the kill.
+
+    `acked`: keys whose last store the worker acknowledged ok (or was about to):
+    the only ones the daemon may have marked ready. `reported`: of those, the
+    ones whose store the scheduler got ok: the daemon did mark them ready.
+    `in_flight`: keys whose last store was under way, not acknowledged.
+    `evicted`: keys its stores evicted (any engine's). `unknown`: keys of a store
+    asked for whose answer never came: it may have evicted that many keys.
+    """
+
+    def __init__(self, path: Path) -> None:
+        lines = path.read_text().splitlines() if path.exists() else []
+        entries = []
+        for n, line in enumerate(lines):
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                assert n == len(lines) - 1, f"a torn line inside {path}"
+        acked_jobs = {j for e in entries for j in e.get("acked", ())}
+        ok_jobs = {e["result"] for e in entries if "result" in e and e["ok"]}
+        last_job: dict[int, int] = {}  # key -> the job of its last answered store
+        self.evicted: set[int] = set()
+        self.unknown = 0
+        asked: list[int] | None = None
+        for e in entries:
+            if "prepare" in e:
+                asked = e["prepare"]
+            elif "ticket" in e:
+                asked = None
+                self.evicted.update(e["evicted"])
+                for k in e["keys"]:
+                    last_job[k] = e["ticket"]
+            elif "none" in e:
+                if not e["connected"]:  # it may have got through before the connection went
+                    self.unknown += len(asked or ())
+                asked = None  # connected: nothing fit, nothing changed
+        self.unknown += len(asked or ())
+        self.acked = {k for k, j in last_job.items() if j in acked_jobs}
+        self.reported = {k for k, j in last_job.items() if j in ok_jobs}
+        self.in_flight = set(last_job) - self.acked
+        assert self.reported <= self.acked
+
+
+def stores_done(record: Path) -> int:
+    """Store jobs an engine's record says the scheduler got ok."""
+    try:
+        return record.read_text().count('"ok": true')
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigkill_at_random_points_brings_back_exactly_the_ready_blocks(
+    spawn: list, tmp_path: Path
+) -> None:
+    """The adopted blocks are exactly those whose stores were acknowledged: none
+    in flight at the kill comes back, and none acknowledged (and not evicted)
+    is lost. Each engine keeps its own keys, apart from every other engine's
+    and round's, so its record alone says what became of them."""
     rng = random.Random(16)
     d = DaemonProcess(lease_ms="3000").start()
     try:
         generations = set()
         verified = 0
+        in_flight_at_kills = 0
+        before: dict[bytes, int] = {}  # what the last start adopted
         for kill_point in range(6):
-            engines = [engine(d, f"engine-{kill_point}-{i}", kill_point * 10 + i) for i in range(2)]
+            records = [tmp_path / f"engine-{kill_point}-{i}.jsonl" for i in range(2)]
+            engines = [
+                engine(d, f"engine-{kill_point}-{i}", kill_point * 10 + i, records[i],
+                       (2 * kill_point + i) * 1000)
+                for i in range(2)
+            ]  # fmt: skip
             spawn.extend(engines)
-            # Into the workload: once the engines store, at a random moment.
+            # Into the workload: once both engines have stored, at a random moment.
             deadline = time.monotonic() + 60
-            want = min(8 * (kill_point + 1), 40)  # more each round: the pool lives on
-            while (info := pool_info(d, "torn")) is None or info.blocks_ready < want:
+            while min(stores_done(r) for r in records) < 5:
                 assert time.monotonic() < deadline, "the engines never stored"
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.5))
+            # Frozen first, so that their records end where the daemon's view does:
+            # an engine can no longer acknowledge a store the daemon never saw.
+            for e in engines:
+                e.send_signal(signal.SIGSTOP)
             d.kill(signal.SIGKILL)
             for e in engines:
                 e.kill()
             for e in engines:
                 e.wait(timeout=20)
             shm = pool_segment(d, "torn")
+            earlier = set(before)
             before = ready_in_segment(shm)
+            adopted = {int.from_bytes(k, "big") for k in before}
+            logs = [StoreLog(r) for r in records]
+            acked = set().union(*(log.acked for log in logs))
+            in_flight = set().union(*(log.in_flight for log in logs))
+            in_flight_at_kills += len(in_flight)
+            earlier_keys = {int.from_bytes(k, "big") for k in earlier}
+            came_back = sorted(adopted & in_flight)
+            assert not came_back, (
+                f"round {kill_point}: stores in flight at the kill came back: {came_back}"
+            )
+            strays = sorted(adopted - acked - earlier_keys)
+            assert not strays, f"round {kill_point}: adopted keys no store acknowledged: {strays}"
+            evicted = set().union(*(log.evicted for log in logs))
+            kept = (set().union(*(log.reported for log in logs)) | earlier_keys) - evicted
+            lost = sorted(kept - adopted)
+            unknown = sum(log.unknown for log in logs)
+            assert len(lost) <= unknown, (
+                f"round {kill_point}: acknowledged, not evicted, not adopted: {lost}"
+            )
             d.start()
             info = pool_info(d, "torn")
             assert info is not None and info.shm_name == shm, "the pool was not adopted"
@@ -172,6 +267,8 @@ def test_sigkill_at_random_points_brings_back_exactly_the_ready_blocks(spawn: li
             assert ready_in_segment(shm) == before  # verifying changed nothing
         assert len(generations) == 1  # one segment, adopted five times
         assert verified >= 60, f"only {verified} blocks verified over the kill points"
+        # The kills did land on stores in flight, and none of those came back.
+        assert in_flight_at_kills > 0, "no kill found a store in flight: nothing was shown"
         assert "event=pool_adopted pool=torn" in d.log()
     finally:
         d.stop()
