@@ -21,8 +21,8 @@ from kvd_client.protocol import Layout
 from kvd_client.ready_table import table_bytes
 from kvd_client.segment import ENTRY_BYTES, MAX_HEADER_BYTES, PAGE, SegmentHeader
 
-# What the daemon needs beyond its pools is not counted in max_total_bytes;
-# a little room on top covers a probe pool or a rounding of the format.
+# Room on top of the pools' exact sum, for a small pool a tool attaches on
+# the side (a probe) or a few bytes more of a later segment format.
 SLACK_BYTES = 1 << 20
 
 
