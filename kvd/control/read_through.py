@@ -16,6 +16,14 @@ A `Lookup` whose leading local hits end at a miss comes here (`ReadThrough.looku
     done   -> the blocks that checked out become ready (one stored event, as
               for any store); the rest are freed and counted
 
+Probes wait on the loop, at most `MAX_WAITING_PROBES`, and go to the thread
+`PROBES_AT_ONCE` at a time: a slow tier never builds a backlog on the
+thread. A probe whose lookup gave up (its timeout passed) before its turn
+is dropped, never sent (the thread checks again before it sends), and its
+first key is not probed again for `remote_miss_ms`: an engine asking again
+about the same keys waits on one probe, or gets its hits. A lookup that
+finds the queue full gets its hits at once (`remote.probes_refused`).
+
 `expire` gives up a fetch whose probe had no answer within `remote_timeout_ms`,
 or that received nothing for that long once its GETs started (or waited for
 the thread four timeouts): what was copied and checked becomes ready, the
@@ -50,6 +58,8 @@ log = logging.getLogger("kvd.control.read_through")
 MAX_MISSES = 200_000  # keys remembered as absent from the remote tier
 CHUNK_BYTES = 16 << 20  # values per pipelined GET, by bytes
 MAX_PROBE_KEYS = 4096
+MAX_WAITING_PROBES = 128  # probes not yet handed to the fetch thread, at most
+PROBES_AT_ONCE = 2  # probes handed to the fetch thread and not yet answered, at most
 QUEUED_TIMEOUTS = 4  # a fetch waiting for the thread is given up after this many timeouts
 
 
@@ -106,6 +116,8 @@ class ReadThrough:
         self._probing: dict[tuple[str, bytes], Fetch] = {}
         self._fetches: dict[int, Fetch] = {}
         self._misses: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._waiting: OrderedDict[int, Fetch] = OrderedDict()  # probes not sent yet
+        self._sent = 0  # probes on the fetch thread, their answer not in yet
 
     def lookup(self, pool: Pool, keys: Sequence[bytes], hits: int, now: float) -> int | None:
         """A lookup that found `hits` leading local hits and then a miss: None while
@@ -127,6 +139,11 @@ class ReadThrough:
             return hits
         if pool.resetting:
             return hits
+        if len(self._waiting) >= MAX_WAITING_PROBES:
+            self._send_probes(now)  # drops the probes given up meanwhile
+            if len(self._waiting) >= MAX_WAITING_PROBES:
+                self.counters["remote.probes_refused"] += 1
+                return hits
         # One lookup's fetch: at most remote_fetch_max_bytes, and a quarter of
         # the pool (it may evict that much).
         row = pool.geometry.row_bytes
@@ -137,19 +154,51 @@ class ReadThrough:
         self._fetches[fetch.fetch_id] = fetch
         for k in wanted:
             self._probing.setdefault((pool.name, k), fetch)
-        self.counters["remote.probes"] += 1
-        self.fetcher.submit(functools.partial(self._probe, fetch=fetch))
+        self._waiting[fetch.fetch_id] = fetch
+        self._send_probes(now)
         return None
 
+    def _send_probes(self, now: float) -> None:
+        """Hands waiting probes to the fetch thread, oldest first, while fewer than
+        PROBES_AT_ONCE are there; a probe whose lookup gave up is dropped."""
+        waiting = self._waiting
+        while waiting:
+            fetch = next(iter(waiting.values()))
+            if fetch.stood and now < fetch.deadline:
+                if self._sent >= PROBES_AT_ONCE:
+                    return
+                self._sent += 1
+                self.counters["remote.probes"] += 1
+                self.fetcher.submit(functools.partial(self._probe, fetch=fetch))
+            elif fetch.stood:
+                self._give_up(fetch)  # off `waiting` too
+                continue
+            waiting.pop(fetch.fetch_id, None)
+
     def _probe(self, store: RemoteStore, *, fetch: Fetch) -> Callable[[], None]:
-        """On the fetch thread: which of the fetch's keys the store has."""
+        """On the fetch thread: which of the fetch's keys the store has; nothing
+        is sent for a fetch whose lookup gave up while it waited for the thread."""
+        if not fetch.standing() or time.monotonic() >= fetch.deadline:
+            return lambda: self._probe_done(fetch, None, "")
         try:
             prefix = self.config.remote_prefix
             present = store.exists([remote_key(prefix, fetch.fingerprint, k) for k in fetch.keys])
         except Exception as exc:  # RemoteError, or a bug: the loop part always runs
             reason = str(exc) if isinstance(exc, RemoteError) else repr(exc)
-            return lambda: self._probe_failed(fetch, reason)
-        return lambda: self._probed(fetch, present)
+            return lambda: self._probe_done(fetch, None, reason)
+        return lambda: self._probe_done(fetch, present, "")
+
+    def _probe_done(self, fetch: Fetch, present: list[bool] | None, reason: str) -> None:
+        """A probe's answer (None: not sent, or failed: `reason`), on the loop."""
+        self._sent -= 1
+        now = time.monotonic()
+        if present is not None:
+            self._probed(fetch, present, now)
+        elif reason:
+            self._probe_failed(fetch, reason)
+        elif fetch.stood:  # skipped on the thread, past its deadline: given up
+            self._give_up(fetch)
+        self._send_probes(now)
 
     def _probe_failed(self, fetch: Fetch, reason: str) -> None:
         self.counters["remote.errors"] += 1
@@ -169,8 +218,7 @@ class ReadThrough:
         while len(misses) > MAX_MISSES:
             misses.popitem(last=False)
 
-    def _probed(self, fetch: Fetch, present: list[bool]) -> None:
-        now = time.monotonic()
+    def _probed(self, fetch: Fetch, present: list[bool], now: float) -> None:
         self._unprobe(fetch)
         if not fetch.stood or fetch.fetch_id not in self._fetches:
             return  # given up already: lookups counted their hits
@@ -258,8 +306,10 @@ class ReadThrough:
         self._unprobe(fetch)
         if fetch.slots:
             self._settle(fetch)
-        else:
+        else:  # its probe had no answer in time: its keys are not probed again soon
             self._fetches.pop(fetch.fetch_id, None)
+            self._waiting.pop(fetch.fetch_id, None)
+            self._miss(fetch.pool, fetch.keys[0], time.monotonic())
 
     def _settle(self, fetch: Fetch) -> None:
         with fetch.lock:

@@ -7,8 +7,11 @@ test failed on the main before its fix; the commit that fixed it says how.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,9 +21,12 @@ from pathlib import Path
 import posix_ipc
 import zmq
 
+from kvd_client import Scheduler
 from kvd_client import protocol as p
 from kvd_client.segment import ENTRY_BYTES, FREE, READY, STORING, read_segment_header
 from kvd_tools.launcher import DaemonProcess
+from kvd_tools.redis_launcher import RedisServer
+from tests.integration.remote_hosts import needs_redis
 
 # -- 8: no credential in what kvd prints or logs ------------------------------------
 
@@ -254,3 +260,109 @@ def test_an_acknowledged_reset_is_not_undone_by_a_warm_restart() -> None:
             assert (pool.blocks_ready, pool.blocks_in_flight, pool.blocks_held) == (0, 0, 4)
         finally:
             b.close()
+
+
+# -- 5: the remote read-through's probes are bounded ----------------------------------
+
+
+class DelayProxy:
+    """A TCP proxy in front of Redis that delivers every reply `delay_s` late (in
+    order): a slow link, not a stalled server, so no call waits past the timeout."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port, self.delay_s = target_port, delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            late: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+            for target, args in ((self._pipe, (client, server)), (self._read, (server, late)),
+                                 (self._deliver, (late, client))):  # fmt: skip
+                threading.Thread(target=target, args=args, daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _read(self, src: socket.socket, late: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                late.put((time.monotonic() + self.delay_s, data))
+        late.put((0.0, b""))
+
+    @staticmethod
+    def _deliver(late: queue.SimpleQueue[tuple[float, bytes]], dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                at, data = late.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, at - time.monotonic()))
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+
+
+def exists_calls(port: int) -> int:
+    import redis
+
+    with redis.Redis(port=port, socket_timeout=30) as r:
+        return int(r.info("commandstats").get("cmdstat_exists", {}).get("calls", 0))
+
+
+@needs_redis
+def test_probes_of_lookups_that_gave_up_never_reach_the_remote_tier() -> None:
+    with RedisServer() as store:
+        proxy = DelayProxy(store.port, 0.3)  # replies 0.3 s late; the timeout is 0.5 s
+        d = DaemonProcess(remote_url=f"redis://127.0.0.1:{proxy.port}", remote_timeout_ms="500",
+                          lease_ms="5000")  # fmt: skip
+        try:
+            with d, Scheduler("probes", OBSERVE_LAYOUT, engine_id="probes",
+                              endpoint=d.endpoint, capacity_bytes=64 * 256) as s:  # fmt: skip
+                deadline = time.monotonic() + 20
+                while int(s.stats().counters.get("remote.connected", 0)) != 1:
+                    assert time.monotonic() < deadline, "the remote tier did not come up"
+                    time.sleep(0.05)
+                # 5 s of new prefixes, each asked again at once (an engine's retry).
+                end, n, longest = time.monotonic() + 5, 0, 0.0
+                while time.monotonic() < end:
+                    prefix = [f"p{n}/{i}".encode() for i in range(8)]
+                    for _ in range(2):
+                        t0 = time.monotonic()
+                        assert s.lookup(prefix) in (None, 0)
+                        longest = max(longest, time.monotonic() - t0)
+                    n += 1
+                    time.sleep(0.02)
+                stopped = time.monotonic()
+                time.sleep(2.0)  # four timeouts: every lookup gave up long ago
+                before = exists_calls(store.port)
+                time.sleep(4.0)
+                after = exists_calls(store.port)
+                waited = time.monotonic() - stopped
+                c = {k: v for k, v in s.stats().counters.items() if k.startswith("remote")}
+            # No probe of a lookup that gave up reaches the server (before the fix,
+            # Redis still received EXISTS long after the last lookup), and the
+            # tier was never taken for down: every call answered within its timeout.
+            assert after == before, (before, after, waited, n, c)
+            assert c.get("remote.errors", 0) == 0 and c.get("remote.skipped_down", 0) == 0, c
+            assert longest < 1.0, longest
+            # Probes wait a bounded number at a time: most were never sent.
+            assert before <= 8 * (n // 2), (before, n, c)
+        finally:
+            proxy.close()
