@@ -116,6 +116,23 @@ def test_all_runs_every_suite_with_defaults(
     assert "### kvd bench two" in captured.out
 
 
+def test_a_suite_whose_verdict_fails_exits_1_with_its_table_and_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A suite with `passed(rows)` (the soak: violations) that fails: still its table
+    and JSON, then exit status 1 and one line on stderr; a pass exits 0."""
+    name = _fake_suite(monkeypatch, "verdict", [{"violations": 2}])
+    sys.modules[name].passed = lambda rows: all(r["violations"] == 0 for r in rows)  # type: ignore[attr-defined]
+    monkeypatch.setattr(bench_cli, "SUITES", {"verdict": Suite(name, "judged", _flag)})
+    out = tmp_path / "v.json"
+    assert main(["bench", "verdict", "--json", str(out)]) == 1
+    assert json.loads(out.read_text())["rows"] == [{"violations": 2, "flag": 7}]
+    captured = capsys.readouterr()
+    assert "kvd bench verdict: FAIL" in captured.err and "### kvd bench verdict" in captured.out
+    sys.modules[name].run = lambda args: [{"violations": 0}]  # type: ignore[attr-defined]
+    assert main(["bench", "verdict"]) == 0
+
+
 def test_unknown_suite_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "nosuch"])

@@ -67,20 +67,24 @@ def default_args(name: str, quick: bool = False) -> argparse.Namespace:
     return resolve_args(SUITES[name], p.parse_args(["--quick"] if quick else []))
 
 
-def run_suite(name: str, args: argparse.Namespace) -> tuple[list[Row], list[str]]:
-    """Imports and runs suite `name`: its rows and its summary lines."""
+def run_suite(name: str, args: argparse.Namespace) -> tuple[list[Row], list[str], bool]:
+    """Imports and runs suite `name`: its rows, its summary lines, and whether the
+    suite's own verdict (`passed(rows)`, for a suite whose rows say pass or fail,
+    such as the soak's violations) is a pass (True for a suite without one)."""
     module = importlib.import_module(SUITES[name].module)
     run: Callable[[argparse.Namespace], list[Row]] = module.run
     rows = run(args)
     summarize: Callable[[list[Row]], list[str]] | None = getattr(module, "summarize", None)
     summary = summarize(rows) if summarize is not None and rows else []
-    return rows, summary
+    passed: Callable[[list[Row]], bool] | None = getattr(module, "passed", None)
+    return rows, summary, passed is None or passed(rows)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the chosen suite (or all of them), prints tables, writes JSON if asked.
 
-    Exit status 0, or 2 when a suite could not run (the others still do).
+    Exit status 0; 1 when a suite ran and its own verdict is a fail (the soak
+    saw a violation); 2 when a suite could not run (the others still do).
     """
     from kvd_tools.bench.machine import describe_machine
 
@@ -96,11 +100,14 @@ def run_bench(args: argparse.Namespace) -> int:
         else:
             one = resolve_args(SUITES[name], args)
         try:
-            rows, summary = run_suite(name, one)
+            rows, summary, passed = run_suite(name, one)
         except SuiteError as exc:
             print(f"kvd bench {name}: error: {exc}", file=sys.stderr)
             status = 2
             continue
+        if not passed:
+            print(f"kvd bench {name}: FAIL (see its summary)", file=sys.stderr)
+            status = max(status, 1)
         print(render(name, rows, summary), flush=True)
         reports.append(suite_report(name, machine, rows))
     if args.json_path is not None and reports:

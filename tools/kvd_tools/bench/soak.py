@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
 
 
+def passed(rows: list[dict[str, Any]]) -> bool:
+    """The soak's verdict: no violation (`kvd bench soak` exits 1 otherwise)."""
+    return all(row["violations"] == 0 for row in rows)
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvd_tools.bench.suites import SuiteError
     from kvd_tools.soak import SoakConfig, run_soak
