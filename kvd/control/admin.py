@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from kvd.control.pools import Pool, PoolRegistry
@@ -47,16 +48,33 @@ class PoolAdmin:
         self._admin_token_file = admin_token_file
         self.event_outbox: EventOutbox = []
 
+    def attach_later(
+        self, s: Session, req: p.Attach, answer: Callable[[KvdError | None], None]
+    ) -> bool:
+        """True when `req` names a pool not made yet, which is now built off the loop
+        (`kvd.control.pool_builds`, or joined while it is): `answer` runs on the
+        loop once it is there (None) or could not be made (why), to `attach`.
+        False: `attach` answers now (the pool is there, or no thread builds)."""
+        builds = self.pools.builds
+        if builds.post is None or self.pools.find(req.pool) is not None:
+            return False
+        self._check_attach(s, req)
+        if builds.join(req.pool, req.layout, answer):
+            return True
+        planned = self.pools.plan(req.pool, req.layout, req.capacity_bytes,
+                                  self.pools.config.policy)  # fmt: skip
+
+        def first(error: KvdError | None) -> None:
+            if error is None:  # consumers start this pool's topic from a clean slate
+                self.event_outbox.append((planned.name, None))
+            answer(error)
+
+        builds.start(planned, first)
+        return True
+
     def attach(self, s: Session, req: p.Attach) -> tuple[p.Reply, Session | None]:
         """Attaches `s`; the reply, and a worker session this one replaced (to end)."""
-        if not p.valid_pool_name(req.pool):
-            raise BadRequest(f"pool name {req.pool[:64]!r} must be ASCII letters, digits, - and _")
-        if s.pool is not None and s.pool != req.pool:
-            raise BadRequest(f"this session is attached to pool {s.pool!r}; open another one")
-        if s.role == "worker" and s.world_size != req.layout.world_size:
-            raise BadRequest(
-                f"worker world_size {s.world_size} != layout world_size {req.layout.world_size}"
-            )
+        self._check_attach(s, req)
         created = self.pools.find(req.pool) is None
         pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
         if created:  # consumers start this pool's topic from a clean slate
@@ -75,6 +93,17 @@ class PoolAdmin:
                     replaced.session_id,
                 )
         return pool.attached(req.req_id), replaced
+
+    @staticmethod
+    def _check_attach(s: Session, req: p.Attach) -> None:
+        if not p.valid_pool_name(req.pool):
+            raise BadRequest(f"pool name {req.pool[:64]!r} must be ASCII letters, digits, - and _")
+        if s.pool is not None and s.pool != req.pool:
+            raise BadRequest(f"this session is attached to pool {s.pool!r}; open another one")
+        if s.role == "worker" and s.world_size != req.layout.world_size:
+            raise BadRequest(
+                f"worker world_size {s.world_size} != layout world_size {req.layout.world_size}"
+            )
 
     def pool_of(self, s: Session) -> Pool:
         """The pool `s` is attached to; `NO_SUCH_POOL` once it was dropped."""

@@ -19,6 +19,7 @@ import msgspec
 
 from kvd.config import Config
 from kvd.control.pool import DEAD_RUN, Pool
+from kvd.control.pool_builds import Planned, PoolBuilds, build, make_table
 from kvd.control.write_behind import ReadyTap
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
@@ -28,7 +29,6 @@ from kvd.io.region import Manifest, SharedRegion, unlink_segment
 from kvd.io.remote_value import layout_fingerprint
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Layout
-from kvd_client.ready_table import table_name
 from kvd_client.segment import BadSegment, SegmentHeader
 
 _layout_encoder = msgspec.msgpack.Encoder()
@@ -62,6 +62,10 @@ class PoolRegistry:
         self._gid = gid
         self._pools: dict[str, Pool] = {}
         self.refused: list[str] = []  # pools whose segments a warm start refused
+        # New pools' indexes and ready tables, built off the loop (`plan`, then
+        # `builds.start`); the server sets `builds.post`.
+        self.builds = PoolBuilds(self._install, tables=config.ready_tables, gid=gid,
+                                 manifest=manifest)  # fmt: skip
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(list(self._pools.values()))
@@ -80,11 +84,12 @@ class PoolRegistry:
 
     @property
     def used_bytes(self) -> int:
-        """Shared memory the pools hold: their segments and their ready tables."""
+        """Shared memory the pools hold: their segments and their ready tables,
+        those of the pools being built too."""
         return sum(
             p.region.size + (p.table.nbytes if p.table is not None else 0)
             for p in self._pools.values()
-        )
+        ) + sum(b.region.size + b.table_bytes for b in self.builds)
 
     def attach(self, name: str, layout: Layout, capacity_bytes: int | None) -> Pool:
         """The pool called `name`, created on first use; `LayoutMismatch` if it differs."""
@@ -98,6 +103,18 @@ class PoolRegistry:
         return self.create(name, layout, capacity_bytes, self.config.policy)
 
     def create(self, name: str, layout: Layout, capacity_bytes: int | None, policy: str) -> Pool:
+        """Creates a pool at once, on the caller's thread (the config's pools, at start)."""
+        planned = self.plan(name, layout, capacity_bytes, policy)
+        build(planned, tables=self.config.ready_tables, gid=self._gid, manifest=self._manifest)
+        if planned.error is not None:
+            PoolBuilds.discard(planned)
+            raise planned.error
+        return self._install(planned)
+
+    def plan(self, name: str, layout: Layout, capacity_bytes: int | None, policy: str) -> Planned:
+        """A new pool's checks, geometry and segment (cheap: on the loop); `TooLarge`
+        or `BadRequest` when it cannot be made. Its index and ready table come
+        from `pool_builds.build`, its `Pool` from `_install`."""
         _check_layout(layout)
         room = self.config.max_total_bytes - self.used_bytes
         wanted = capacity_bytes if capacity_bytes is not None else self.config.default_pool_bytes
@@ -135,7 +152,9 @@ class PoolRegistry:
                     prefault=self.config.prefault,
                     manifest=self._manifest,
                     reserved=sum(
-                        p.region.size for p in self._pools.values() if p.region.prefaulting
+                        p.region.size
+                        for p in [*self._pools.values(), *self.builds]
+                        if p.region.prefaulting
                     ),
                 )
                 break
@@ -148,11 +167,16 @@ class PoolRegistry:
                 raise TooLarge(f"pool {name!r}: {exc.strerror}") from None
         if region is None:
             raise TooLarge(f"cannot create a segment for pool {name!r}: names in use")
-        index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
-        pool = self._add(name, layout, geometry, generation, region, index, policy)
+        return Planned(name, layout, geometry, generation, region, policy)
+
+    def _install(self, b: Planned) -> Pool:
+        assert b.index is not None
+        pool = self._add(b.name, b.layout, b.geometry, b.generation, b.region, b.index, b.policy,
+                         b.table)  # fmt: skip
+        g = b.geometry
         log.info("event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
-                 name, region.name, geometry.num_blocks, geometry.row_bytes, geometry.size_bytes,
-                 policy)  # fmt: skip
+                 b.name, b.region.name, g.num_blocks, g.row_bytes, g.size_bytes,
+                 b.policy)  # fmt: skip
         return pool
 
     @staticmethod
@@ -173,9 +197,9 @@ class PoolRegistry:
         region: SharedRegion,
         index: BlockIndex,
         policy: str,
+        table: ReadyTableWriter | None,
     ) -> Pool:
         pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))
-        table = self._table(region, geometry.num_blocks, generation)
         index.sink = table
         index.slot_sink = region.table
         pool = Pool(
@@ -278,8 +302,12 @@ class PoolRegistry:
                 policy = declared[pool_name].policy if pool_name in declared else None
                 policy = policy or self.config.policy
                 index = BlockIndex(geometry.num_blocks, policy, layout.block_tokens)
+                table = None
+                if self.config.ready_tables:
+                    table = make_table(region, geometry.num_blocks, header.generation,
+                                       gid=self._gid, manifest=self._manifest)  # fmt: skip
                 pool = self._add(
-                    pool_name, layout, geometry, header.generation, region, index, policy
+                    pool_name, layout, geometry, header.generation, region, index, policy, table
                 )
                 index.adopt(slots, keys, policy_later=True, slot_of=slot_of, held=storing)
                 # Jobs of the dead daemon were made before now: their hard deadlines
@@ -309,21 +337,6 @@ class PoolRegistry:
                     unlink_segment(shm, self._manifest)
         return adopted
 
-    def _table(
-        self, region: SharedRegion, num_blocks: int, generation: int
-    ) -> ReadyTableWriter | None:
-        """The pool's ready table, or None (configured off, or no room: lookups
-        then take the round trip, and the log says why)."""
-        if not self.config.ready_tables:
-            return None
-        name = table_name(region.name)
-        try:
-            return ReadyTableWriter(name, num_blocks, generation, gid=self._gid,
-                                    manifest=self._manifest)  # fmt: skip
-        except OSError as exc:
-            log.warning("event=ready_table_failed shm=%s error=%s", name, exc)
-            return None
-
     def drop(self, name: str) -> Pool:
         pool = self.get(name)
         del self._pools[name]
@@ -335,7 +348,9 @@ class PoolRegistry:
 
     def close(self, keep: bool = False) -> None:
         """Drops every pool, or with `keep` (a warm daemon's shutdown) unmaps each
-        and leaves its segment, with its ready blocks, to the next run."""
+        and leaves its segment, with its ready blocks, to the next run. A pool still
+        being built goes (its Attach was never answered)."""
+        self.builds.close()
         for name in list(self._pools):
             if not keep:
                 self.drop(name)

@@ -190,6 +190,9 @@ class Service:
             return self._pool_verb(session, pool, req, now)
         match req:
             case p.Attach():
+                later = lambda error: self._attach_built(session, req, error)  # noqa: E731
+                if self.admin.attach_later(session, req, later):
+                    return None  # a new pool, built off the loop: answered once it is
                 reply, replaced = self.admin.attach(session, req)
                 self.leases.attached(session, replaced, now)
                 return reply
@@ -269,6 +272,23 @@ class Service:
             case p.Load(req_id, keys, device_ids):
                 return self.transfers.load(s, pool, req_id, keys, device_ids, now)
         raise BadRequest(f"unexpected request {type(req).__name__}")
+
+    def _attach_built(self, s: Session, req: p.Attach, error: KvdError | None) -> None:
+        """An Attach that waited for its new pool (`PoolAdmin.attach_later`), answered
+        on the loop once the pool is there; the server sends `outbox`."""
+        if self.sessions.by_id(s.session_id) is not s:
+            return  # the session ended meanwhile
+        try:
+            if error is not None:
+                raise error
+            reply, replaced = self.admin.attach(s, req)
+            self.leases.attached(s, replaced, time.monotonic())
+            self.outbox.append((s.identity, self._encode(reply)))
+        except KvdError as exc:
+            self._error(s.identity, req.req_id, exc.code, exc.detail)
+        except Exception as exc:  # the loop must survive any bug here too
+            log.exception("event=handler_failed request=Attach")
+            self._error(s.identity, req.req_id, ErrorCode.INTERNAL, repr(exc))
 
     # -- replies ---------------------------------------------------------------
 

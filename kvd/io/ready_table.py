@@ -76,7 +76,7 @@ class ReadyTableWriter:
         self.name = name
         self._manifest = manifest
         self.num_buckets = num_buckets_for(num_blocks)
-        self.nbytes = HEADER_BYTES + self.num_buckets * BUCKET_BYTES
+        self.nbytes = self.size_for(num_blocks)
         self._mask = self.num_buckets - 1
         self._live = 0
         self._filling: threading.Thread | None = None  # a warm restart's fill, until joined
@@ -101,6 +101,11 @@ class ReadyTableWriter:
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, BUCKET_BYTES, self.num_buckets,
                          generation, 0)  # fmt: skip
         self.beat()
+
+    @staticmethod
+    def size_for(num_blocks: int) -> int:
+        """The bytes of shared memory a table for `num_blocks` blocks holds."""
+        return HEADER_BYTES + num_buckets_for(num_blocks) * BUCKET_BYTES
 
     def beat(self) -> None:
         """Says the daemon is alive (`alive_ns`); the daemon calls it every tick."""

@@ -66,10 +66,12 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 class Manifest:
-    """The file listing the segments a runtime dir's daemon created."""
+    """The file listing the segments a runtime dir's daemon created. Changed under
+    a lock: a pool's ready table is made on a thread (`kvd.control.pool_builds`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         try:
@@ -83,10 +85,12 @@ class Manifest:
         tmp.replace(self.path)
 
     def add(self, name: str) -> None:
-        self._write([*self.names(), name])
+        with self._lock:
+            self._write([*self.names(), name])
 
     def remove(self, name: str) -> None:
-        self._write([n for n in self.names() if n != name])
+        with self._lock:
+            self._write([n for n in self.names() if n != name])
 
     def unlink_stale(self, keep: Sequence[str] = ()) -> list[str]:
         """Unlinks every segment listed by an earlier run but those in `keep`;
@@ -102,7 +106,8 @@ class Manifest:
                 pass  # already gone (e.g. after a reboot): nothing to unlink
             except posix_ipc.Error as exc:  # another user's, in sticky /dev/shm: leave it
                 log.warning("event=stale_segment_kept name=%s reason=%s", name, exc)
-        self._write([n for n in self.names() if n in keep])
+        with self._lock:
+            self._write([n for n in self.names() if n in keep])
         return gone
 
 

@@ -115,6 +115,8 @@ class Server:
             layout = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size, pc.replicated,
                             pc.slot_bytes, pc.extra)  # fmt: skip
             self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
+        loop = asyncio.get_running_loop()  # from now on, new pools are built off the loop
+        self.pools.builds.post = lambda done: loop.call_soon_threadsafe(self._remote_done, done)
         self._ctx = zmq.Context()
         self.publisher = EventPublisher(
             self._ctx,
@@ -165,10 +167,13 @@ class Server:
         )
 
     def _remote_done(self, done: Callable[[], None]) -> None:
-        """A remote call's result, on the loop: its index work, then what follows."""
+        """A thread's result on the loop (a remote call's, a new pool's): its work,
+        then what follows (an Attach that waited for its pool is answered)."""
         service = self.service
         assert service is not None
         done()
+        if service.outbox:
+            self._flush()
         if service.remote is not None:
             service.remote.pump()
         self._publish()

@@ -150,6 +150,11 @@ def counter(peer: Peer, name: str) -> int:
 
 # -- 4: Observe is bounded like every verb, and taught to the policy in slices -------
 
+# Another session's longest round trip while the daemon is busy with one. Before
+# the fixes: 5.8 s (huge Observe frames), 1.6 s (full ones), 2 s (a 4M-block pool);
+# after, about 0.05 s. The bound leaves room for a loaded test host.
+LONGEST_S = 0.4
+
 OBSERVE_LAYOUT = p.Layout("review-model", "bfloat16", 16, 1, False, 256)
 
 
@@ -186,7 +191,7 @@ def test_observe_is_bounded_and_never_holds_another_sessions_request() -> None:
                     reply = a.receive(rid, timeout_s=60)
                     assert isinstance(reply, p.Error) and reply.code == "BAD_REQUEST", reply
                 time.sleep(0.1)
-            assert other.count > 3 and other.longest < 0.15, (other.count, other.longest)
+            assert other.count > 3 and other.longest < LONGEST_S, (other.count, other.longest)
             # The full frames, as fast as they go: the policy learns them a slice at
             # a time, with other requests answered in between.
             observed = counter(a, "observed_lookups")
@@ -198,7 +203,7 @@ def test_observe_is_bounded_and_never_holds_another_sessions_request() -> None:
                     assert a.receive(rid, timeout_s=60) == p.Ok(rid)
                 time.sleep(0.5)
             assert counter(a, "observed_lookups") == observed + 30 * 16
-            assert other.count > 3 and other.longest < 0.15, (other.count, other.longest)
+            assert other.count > 3 and other.longest < LONGEST_S, (other.count, other.longest)
         finally:
             a.close()
 
@@ -366,3 +371,28 @@ def test_probes_of_lookups_that_gave_up_never_reach_the_remote_tier() -> None:
             assert before <= 8 * (n // 2), (before, n, c)
         finally:
             proxy.close()
+
+
+# -- 9: creating a pool does not hold other sessions' requests ---------------------
+
+BIG_LAYOUT = p.Layout("review-big", "bfloat16", 16, 1, False, 256)
+
+
+def test_a_pool_of_four_million_blocks_is_created_while_others_are_answered() -> None:
+    with DaemonProcess(max_total_bytes="3GiB", lease_ms="10000") as d:
+        a = Peer(d.endpoint)
+        try:
+            with RoundTrips(d.endpoint) as other:
+                time.sleep(0.2)
+                t0 = time.monotonic()
+                reply = a.ask(p.Attach, "big", BIG_LAYOUT, 1 << 30, timeout_s=120)
+                took = time.monotonic() - t0
+                time.sleep(0.2)
+            assert isinstance(reply, p.Attached) and reply.num_blocks > 4_000_000, reply
+            # Before, the loop built the index and the ready table meanwhile: another
+            # session waited 0.56 s (the Attach took as long).
+            assert other.count > 3 and other.longest < LONGEST_S, (other.longest, took)
+            out = a.ask(p.PrepareStore, [b"k1", b"k2"])  # the new pool serves at once
+            assert isinstance(out, p.PrepareStoreResult) and out.fits
+        finally:
+            a.close()

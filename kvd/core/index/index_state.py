@@ -29,6 +29,7 @@ from array import array
 
 from kvd.core.index.checks import index_problems
 from kvd.core.index.policies import make_policy
+from kvd.core.index.policies.arrays import filled, nones
 from kvd.core.index.types import Key, OffloadingEvent, ReadySink, SlotSink
 from kvd.errors import BadRequest, MissingKey, NotReady
 
@@ -46,10 +47,10 @@ class IndexState:
         self._slot_of: dict[Key, int] = {}
         self._slot_of_bytes = sys.getsizeof(self._slot_of)  # its size at the last growth
         self._deleted = 0  # keys deleted from `_slot_of` since its last growth
-        self._key_at: list[Key | None] = [None] * num_blocks
+        self._key_at: list[Key | None] = nones(num_blocks)
         self._ready = bytearray(num_blocks)
         # 64-bit: no number of pins on one block can overflow it.
-        self._refs = array("q", bytes(8 * num_blocks))
+        self._refs = filled("q", num_blocks)
         self._free = array("i")
         self._held: list[int] = []
         self._next_fresh = 0

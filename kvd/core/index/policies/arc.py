@@ -31,9 +31,9 @@ rather than failing.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Collection, Iterable, Iterator, Sequence
 
+from kvd.core.index.policies.arrays import filled
 from kvd.core.index.policies.base import CachePolicy, Key, SlotPredicate
 from kvd.core.index.policies.ghosts import GhostLists
 from kvd.core.index.policies.slot_lists import SlotLists
@@ -48,7 +48,7 @@ class ARCPolicy(CachePolicy):
     def __init__(self, capacity: int, is_ready: SlotPredicate, is_evictable: SlotPredicate) -> None:
         super().__init__(capacity, is_ready, is_evictable)
         self._lists = SlotLists(capacity, 2)
-        self._fp = array("q", bytes(8 * capacity))
+        self._fp = filled("q", capacity)
         # At most 2c - (resident blocks) ghosts: up to 2c once failed stores
         # have emptied the cache, so that many nodes, allocated once.
         self._ghosts = GhostLists(2 * capacity, 2)

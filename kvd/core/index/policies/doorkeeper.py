@@ -29,6 +29,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+from kvd.core.index.policies.arrays import filled
+
 _GOLDEN = 0x9E3779B1  # Fibonacci hashing: spreads structured fingerprints over the cells
 _MASK32 = 0xFFFFFFFF
 
@@ -48,8 +50,8 @@ class Doorkeeper:
             bits += 1
         self._shift = 32 - bits
         self._size = 1 << bits
-        self._young = array("I", bytes(4 * self._size))
-        self._old = array("I", bytes(4 * self._size))
+        self._young = filled("I", self._size)
+        self._old = filled("I", self._size)
         self._num_young = 0
         self._num_old = 0
 

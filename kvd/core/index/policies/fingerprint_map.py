@@ -20,6 +20,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
+from kvd.core.index.policies.arrays import filled
+
 _EMPTY = -1
 _GOLDEN = 0x9E3779B1
 _MASK32 = 0xFFFFFFFF
@@ -34,7 +36,7 @@ class FingerprintMap:
             bits += 1
         self._shift = 32 - bits
         self._mask = (1 << bits) - 1
-        self._table = array("i", [_EMPTY]) * (1 << bits)
+        self._table = filled("i", 1 << bits, _EMPTY)
         self._fps = fps
         self.num_entries = 0
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
+from kvd.core.index.policies.arrays import filled
 from kvd.core.index.policies.slot_lists import SlotLists
 
 _EMPTY = -1
@@ -41,7 +42,7 @@ class GhostLists:
 
     def __init__(self, max_ghosts: int, num_lists: int) -> None:
         self.max_ghosts = max_ghosts
-        self._fps = array("q", bytes(8 * max_ghosts))
+        self._fps = filled("q", max_ghosts)
         self._order = SlotLists(max_ghosts, num_lists)
         self.sizes = self._order.sizes
         self._next_fresh = 0
@@ -50,7 +51,7 @@ class GhostLists:
         while size < 2 * max_ghosts:
             size *= 2
         self._mask = size - 1
-        self._table = array("i", [_EMPTY]) * size
+        self._table = filled("i", size, _EMPTY)
 
     # -- queries --------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from array import array
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import pairwise
 
+from kvd.core.index.policies.arrays import filled
 from kvd.core.index.policies.base import CachePolicy, Key, SlotPredicate
 from kvd.core.index.policies.doorkeeper import Doorkeeper
 from kvd.core.index.policies.slot_lists import SlotLists
@@ -87,8 +88,8 @@ class ProbationCache(CachePolicy):
         self.alpha = alpha
         self.memory = memory
         self._lists = SlotLists(capacity, 2)
-        self._stamp = array("q", bytes(8 * capacity))
-        self._fp = array("I", bytes(4 * capacity))
+        self._stamp = filled("q", capacity)
+        self._fp = filled("I", capacity)
         # Every victim is remembered by each doorkeeper; `memory` picks the one
         # that admits, so the policy can change its memory at once.
         self._doorkeepers = {h: Doorkeeper(h * capacity // 2) for h in memories}

@@ -22,9 +22,10 @@ Python call per batch, not per block.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Iterator
 from itertools import islice
+
+from kvd.core.index.policies.arrays import filled
 
 
 class SlotLists:
@@ -41,8 +42,8 @@ class SlotLists:
     def __init__(self, num_nodes: int, num_lists: int) -> None:
         self.num_nodes = num_nodes
         self.num_lists = num_lists
-        self._prev = array("i", bytes(4 * (num_nodes + num_lists)))
-        self._next = array("i", bytes(4 * (num_nodes + num_lists)))
+        self._prev = filled("i", num_nodes + num_lists)
+        self._next = filled("i", num_nodes + num_lists)
         self._tag = bytearray(num_nodes)
         self.sizes = [0] * num_lists
         self._link_sentinels()
