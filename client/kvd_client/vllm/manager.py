@@ -46,6 +46,7 @@ from kvd_client.vllm.metrics import KvdCounters
 
 log = logging.getLogger("kvd_client.vllm")
 UNSERVABLE = -1  # the generation of a load spec whose slots kvd could not pin
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 class KvdLoadStoreSpec(CPULoadStoreSpec):
@@ -80,7 +81,10 @@ class _Request:
     failed: bool = False  # the daemon did not answer: look again next step
     from_table: bool = False  # answered from the ready table: hits not pinned yet
     pinned: dict[bytes, _Pin] = field(default_factory=dict)
-    index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys
+    index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys (RPC)
+    # From the ready table: the leading hits (keys[:hits]); None otherwise, or
+    # while a key is being stored (hits None).
+    hit_keys: frozenset[bytes] | None = None
 
 
 class KvdOffloadingManager(OffloadingManager):
@@ -97,20 +101,25 @@ class KvdOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        state = self._requests.get(req_context.req_id)
+        if state is not None and state.step == self._step:
+            hit_keys = state.hit_keys
+            if hit_keys is not None and type(key) is bytes:
+                # Looked up in the ready table this step: vLLM asks key by key.
+                return _HIT if key in hit_keys else _MISS
+        return self._lookup(bytes(key), req_context, state)
+
+    def _lookup(self, key: bytes, req_context: ReqContext, state: _Request | None) -> LookupResult:
         if self._scheduler is None:
             return LookupResult.MISS
-        key = bytes(key)
-        state = self._requests.get(req_context.req_id)
         if state is None or (state.step != self._step and self._stale(state, key, req_context)):
             state = self._look_up(req_context, state, key)  # once per request and step at most
         if state.hits is None:
             return LookupResult.RETRY
-        if state.from_table:
-            return (
-                LookupResult.HIT
-                if state.index.get(key, state.hits) < state.hits
-                else (LookupResult.MISS)
-            )
+        if state.hit_keys is not None:  # from the ready table
+            return LookupResult.HIT if key in state.hit_keys else LookupResult.MISS
+        if state.from_table:  # hits None: answered RETRY above
+            return LookupResult.MISS
         pin = state.pinned.get(key)
         return LookupResult.HIT if pin is not None and self._valid(pin) else LookupResult.MISS
 
@@ -144,20 +153,30 @@ class KvdOffloadingManager(OffloadingManager):
         if old is not None:
             self._unpin(old, list(old.pinned))
         positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
-        ordered = sorted(positions, key=positions.__getitem__)  # OffloadKeys are bytes
+        # In prefix order (OffloadKeys are bytes). vLLM registers them in that
+        # order, so the sort (stable: ties keep it) is seldom needed.
+        ordered = list(positions)
+        ends = list(positions.values())
+        if ends != sorted(ends):
+            ordered.sort(key=positions.__getitem__)
         # Keys before the first one vLLM asks about are in vLLM's own cache.
-        start = ordered.index(first) if first in ordered else len(ordered)
-        keys = ordered[start:] if first in ordered else [first]
-        index = dict(zip(keys, range(len(keys)), strict=True))
-        state = _Request(keys, len(ordered), self._step, index=index)
+        if first in positions:
+            start = ordered.index(first)
+            keys = ordered[start:] if start else ordered
+        else:
+            keys = [first]
+        state = _Request(keys, len(ordered), self._step)
         self._requests[ctx.req_id] = state
         self._counters.add("lookup_keys", len(keys))
         if self._scheduler.table is not None:  # no round trip: pinned at prepare_load
-            state.hits = self._scheduler.lookup(keys)
+            hits = state.hits = self._scheduler.lookup(keys)
             state.from_table = True
             state.failed = not self._scheduler.connected
-            self._counters.add("lookup_hit_keys", state.hits or 0)
+            if hits is not None:
+                state.hit_keys = frozenset(keys[:hits])
+            self._counters.add("lookup_hit_keys", hits or 0)
             return state
+        state.index = dict(zip(keys, range(len(keys)), strict=True))
         self._counters.add("lookup_rpcs")
         try:
             hits, spec = self._scheduler.lookup_and_pin(keys)  # one round trip
