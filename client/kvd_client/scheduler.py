@@ -24,6 +24,7 @@ recomputes. The keeper thread reconnects and re-attaches meanwhile.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -39,6 +40,11 @@ log = logging.getLogger("kvd_client")
 KeyLike = bytes | int
 OBSERVE_BATCH = 64  # lookups answered from the table, reported in one message
 OBSERVE_EVERY_S = 0.005  # ... or at the first lookup this long after the last report
+# Keys a request carries at most: the daemon takes MAX_KEYS_PER_REQUEST, but one of
+# 8,192 is answered well within a client's timeout (a store's prepare costs about
+# 10 us a key), and other sessions wait no longer than that for the daemon's loop.
+# Longer lists go in several.
+PART_KEYS = 8_192
 
 
 def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
@@ -52,6 +58,12 @@ def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
     return [
         k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") for k in keys
     ]
+
+
+def _parts(keys: list[bytes]) -> list[list[bytes]]:
+    """`keys` in requests of at most PART_KEYS keys."""
+    n = PART_KEYS
+    return [keys] if len(keys) <= n else [keys[i : i + n] for i in range(0, len(keys), n)]
 
 
 class Scheduler:
@@ -153,7 +165,10 @@ class Scheduler:
     # -- the index verbs -------------------------------------------------------
 
     def lookup(self, keys: Sequence[KeyLike]) -> int | None:
-        """Leading keys present and ready; `None` = retry later; 0 when disconnected."""
+        """Leading keys present and ready; `None` = retry later; 0 when disconnected
+        or refused (never raises: the engine's hot path). Keys past the daemon's
+        bound per request are looked up in several round trips where the table
+        cannot answer."""
         if not self.connected:
             return 0
         table = self.table
@@ -170,11 +185,13 @@ class Scheduler:
                     return hits
                 # A miss where the daemon has a remote tier: it may fetch the rest.
         try:
-            reply = self._call(p.Lookup, as_keys(keys))
+            hits, _ = self._lookup_rpc(as_keys(keys), False)
         except Unavailable:
             return 0
-        assert isinstance(reply, p.LookupResult)
-        return reply.hits
+        except KvdError as exc:  # a lookup is advice: the daemon refusing it is a miss
+            log.warning("kvd lookup of %d keys answered as a miss: %s", len(keys), exc)
+            return 0
+        return hits
 
     def lookup_and_pin(self, keys: Sequence[KeyLike]) -> tuple[int | None, LoadStoreSpec]:
         """`lookup`, and `prepare_load` of the leading hits, in one round trip: the
@@ -182,15 +199,48 @@ class Scheduler:
         if not self.connected:
             return 0, LoadStoreSpec([])
         try:
-            reply = self._call(p.Lookup, as_keys(keys), True)
+            hits, slots = self._lookup_rpc(as_keys(keys), True)
         except Unavailable:
             return 0, LoadStoreSpec([])
-        assert isinstance(reply, p.LookupResult)
-        return reply.hits, LoadStoreSpec(reply.slots)
+        return hits, LoadStoreSpec(slots)
+
+    def _lookup_rpc(self, keys: list[bytes], pin: bool) -> tuple[int | None, list[int]]:
+        """`Lookup` in requests of at most PART_KEYS keys (one round trip unless
+        longer), each after the one before hit all its keys. A part that
+        answers None (a key being stored) makes the whole None, and its pins go."""
+        if len(keys) <= PART_KEYS:
+            reply = self._call(p.Lookup, keys, pin)
+            assert isinstance(reply, p.LookupResult)
+            return reply.hits, reply.slots
+        hits, slots = 0, list[int]()
+        try:
+            for part in _parts(keys):
+                reply = self._call(p.Lookup, part, pin)
+                assert isinstance(reply, p.LookupResult)
+                if reply.hits is None:
+                    self._release(keys[: len(slots)])
+                    return None, []
+                hits += reply.hits
+                slots += reply.slots
+                if reply.hits < len(part):
+                    break
+        except KvdError:
+            self._release(keys[: len(slots)])
+            raise
+        return hits, slots
+
+    def _release(self, keys: list[bytes]) -> None:
+        """Drops pins taken by the first parts of a split request that failed."""
+        if keys:
+            with contextlib.suppress(KvdError):
+                self.complete_load(keys)
 
     def _observe(self, keys: list[bytes], hits: int | None) -> None:
         """Queues a table lookup for the reporter thread (for the admission policy
         and the daemon's lookup counters)."""
+        if len(keys) > p.MAX_KEYS_PER_REQUEST:  # what one Observe may carry; the rest goes
+            keys = keys[: p.MAX_KEYS_PER_REQUEST]
+            hits = min(hits or 0, p.MAX_KEYS_PER_REQUEST)
         self._observed.append((keys, hits or 0))
         if self._reporter is None:
             self._reporter = threading.Thread(target=self._report, name="kvd-observe", daemon=True)
@@ -224,36 +274,62 @@ class Scheduler:
         return sent
 
     def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
-        """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected."""
-        reply = self._call(p.PrepareLoad, as_keys(keys))
-        assert isinstance(reply, p.SlotsResult)
-        return LoadStoreSpec(reply.slots)
+        """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected.
+        More than PART_KEYS keys go in several requests: all pinned, or none."""
+        ks = as_keys(keys)
+        slots: list[int] = []
+        try:
+            for part in _parts(ks):
+                reply = self._call(p.PrepareLoad, part)
+                assert isinstance(reply, p.SlotsResult)
+                slots += reply.slots
+        except KvdError:
+            self._release(ks[: len(slots)])
+            raise
+        return LoadStoreSpec(slots)
 
     def touch(self, keys: Sequence[KeyLike]) -> None:
-        self._quiet(p.Touch, as_keys(keys))
+        for part in _parts(as_keys(keys)):
+            self._quiet(p.Touch, part)
 
     def complete_load(self, keys: Sequence[KeyLike]) -> None:
-        self._quiet(p.CompleteLoad, as_keys(keys))
+        for part in _parts(as_keys(keys)):
+            self._quiet(p.CompleteLoad, part)
 
     def prepare_store(self, keys: Sequence[KeyLike]) -> PrepareStoreOutput | None:
-        """Allocates slots; `None` when nothing fits or the daemon is unreachable."""
+        """Allocates slots; `None` when nothing fits or the daemon is unreachable.
+        More than PART_KEYS keys go in several requests, until one does not fit:
+        the output is what the ones before it allocated."""
         if not self.connected:
             return None
+        stored: list[bytes] = []
+        slots: list[int] = []
+        evicted: list[bytes] = []
+        fits = False
         try:
-            reply = self._call(p.PrepareStore, as_keys(keys))
+            for part in _parts(as_keys(keys)):
+                reply = self._call(p.PrepareStore, part)
+                assert isinstance(reply, p.PrepareStoreResult)
+                if not reply.fits:
+                    break
+                fits = True
+                stored += reply.keys_to_store
+                slots += reply.slots
+                evicted += reply.evicted_keys
         except Unavailable:
+            return None  # the daemon rolls back what the session prepared
+        except KvdError:
+            if stored:
+                self.complete_store(stored, False)
+            raise
+        if not fits:
             return None
-        assert isinstance(reply, p.PrepareStoreResult)
-        if not reply.fits:
-            return None
-        return PrepareStoreOutput(
-            reply.keys_to_store, LoadStoreSpec(reply.slots), reply.evicted_keys
-        )
+        return PrepareStoreOutput(stored, LoadStoreSpec(slots), evicted)
 
     def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> bool:
         """Whether the daemon took the completion (False when disconnected: the
         daemon rolls the session's stores back, and the blocks never become ready)."""
-        return self._quiet(p.CompleteStore, as_keys(keys), success)
+        return all([self._quiet(p.CompleteStore, part, success) for part in _parts(as_keys(keys))])
 
     def _quiet(self, cls: type, *args: object) -> bool:
         # Disconnected: the daemon rolled the session back already; nothing to do.

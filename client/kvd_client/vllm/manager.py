@@ -213,7 +213,8 @@ class KvdOffloadingManager(OffloadingManager):
         if not wanted:
             return KvdLoadStoreSpec([], self._generation())
         # Pins vLLM will not load (its own cache has those blocks) go now.
-        self._unpin(state, [k for k in state.pinned if k not in set(wanted)])
+        loading = set(wanted)  # once: a long prompt loads 10^5 keys
+        self._unpin(state, [k for k in state.pinned if k not in loading])
         pins = [state.pinned.get(k) for k in wanted]
         if (
             any(pin is None or not self._valid(pin) for pin in pins)
