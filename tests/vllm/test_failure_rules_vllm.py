@@ -7,6 +7,8 @@ Each of these failed before its fix.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from kvd_client.vllm import KvdOffloadingSpec
 from kvd_client.vllm.manager import UNSERVABLE, KvdLoadStoreSpec, KvdOffloadingManager
 from kvd_client.vllm.worker import KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
+from kvd_tools.vllm_harness.engine import write_model
 from kvd_tools.vllm_harness.offload_config import offloading_config as config
 from tests.vllm.test_spec import registered
 
@@ -92,3 +95,39 @@ def test_a_lookup_of_100k_keys_without_the_table_answers_a_count() -> None:
         assert out is not None and len(out.keys_to_store) == n - ready
         manager.shutdown()
         worker.shutdown()
+
+
+# -- 2. new weights at the same path: another pool -------------------------------------
+
+
+def test_new_weights_at_the_same_path_get_another_pool(tmp_path: Path) -> None:
+    """A model directory whose weights file is rewritten (the same name and size,
+    other bytes, a later mtime): the fingerprint, so the default pool, changes."""
+    from safetensors.torch import save_file
+    from vllm.engine.arg_utils import EngineArgs
+
+    from kvd_client.vllm.connector import weights_fingerprint
+    from kvd_client.vllm.pool import choose_pool
+
+    model = write_model(tmp_path / "m")
+    weights = Path(model) / "model.safetensors"
+
+    def write(seed: int) -> None:
+        tensor = torch.randn((64, 64), generator=torch.Generator().manual_seed(seed))
+        save_file({"w": tensor}, str(weights))
+
+    def fingerprint() -> str:
+        args = EngineArgs(model=model, skip_tokenizer_init=True, load_format="safetensors")
+        return weights_fingerprint(args.create_engine_config())
+
+    write(0)
+    before = fingerprint()
+    assert fingerprint() == before  # stable
+    st = weights.stat()
+    write(1)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert weights.stat().st_size == st.st_size
+    after = fingerprint()
+    assert after != before
+    names = {choose_pool(config(kvd_weights=f)).name for f in (before, after)}
+    assert len(names) == 2

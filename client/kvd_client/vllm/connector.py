@@ -7,8 +7,9 @@ this connector hands them to vLLM (`get_block_ids_with_load_errors`), whose
 scheduler recomputes them when `kv_load_failure_policy` is "recompute" (the
 README's command sets it; with vLLM's default "fail" the request fails with
 an error instead, and a warning at start says so). It also names the engine's weights
-(revision, quantization, overrides) in the default pool name, which vLLM's
-offloading config leaves out, and turns offloading off for an engine with
+(revision, quantization, overrides, and the names, sizes and mtimes of a local
+model's weight files) in the default pool name, which vLLM's offloading config
+leaves out, and turns offloading off for an engine with
 several KV cache groups, whose failed loads vLLM cannot take block by block.
 Everything else is vLLM's connector unchanged. Load it with `kv_connector_module_path`:
 
@@ -19,8 +20,11 @@ Everything else is vLLM's connector unchanged. Load it with `kv_connector_module
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,11 +36,40 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 
 log = logging.getLogger("kvd_client.vllm")
+# Files whose bytes are a model's weights, as the loaders vLLM ships read them.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack", ".h5")
+MAX_WEIGHT_DIRS = 1_000  # directories walked at most (a model's are a handful)
+
+
+def weights_digest(model: str) -> str:
+    """A digest of the weight files of the local model directory `model` (their
+    relative names, sizes and mtimes, and `config.json`'s), "" for a name that is
+    not a directory (a hub id: its revision names it). New weights written at
+    the same path give another digest, so their engines never share a pool with
+    the old weights' ones; the weights' bytes are not read."""
+    root = Path(model)
+    if not root.is_dir():
+        return ""
+    entries = []
+    for num, (dirpath, dirnames, filenames) in enumerate(os.walk(root)):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(WEIGHT_SUFFIXES) or name == "config.json":
+                path = Path(dirpath, name)
+                try:
+                    st = path.stat()
+                except OSError:
+                    continue
+                entries.append(f"{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}")
+        if num >= MAX_WEIGHT_DIRS:
+            break
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
 
 
 def weights_fingerprint(vllm_config: Any) -> str:
     """What, beyond the model's name, makes two engines' KV differ: revision,
-    quantization, overrides, and for dummy weights the seed they are drawn from."""
+    quantization, overrides, the weight files of a local model (`weights_digest`),
+    and for dummy weights the seed they are drawn from."""
     model, load = vllm_config.model_config, vllm_config.load_config
     overrides = model.hf_overrides  # a dict, or a function: named, never by address
     parts = [
@@ -49,6 +82,8 @@ def weights_fingerprint(vllm_config: Any) -> str:
     ]
     if str(load.load_format) == "dummy":
         parts.append(f"seed={model.seed}")
+    else:
+        parts.append(f"files={weights_digest(str(model.model))}")
     return ";".join(parts)
 
 
