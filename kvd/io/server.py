@@ -12,6 +12,13 @@ flags: pyzmq's `recv_multipart` and `send_multipart` combine enum flags in
 Python, and a drain that ends on `zmq.Again` builds an exception each time.
 A drain instead asks `ZMQ_EVENTS` after each message whether another is
 queued (which also re-arms the edge-triggered descriptor).
+
+A drain that sent replies and finds nothing more queued yields the CPU
+(`sched_yield`) before its bookkeeping (metrics, idle timer, events): the
+replies go out through ZeroMQ's I/O thread, which the send has just woken,
+and on a host whose cores are busy (engines beside the daemon) it would
+otherwise wait for this thread's bookkeeping and its way back to `epoll`.
+Where a core is free the call returns at once.
 """
 
 from __future__ import annotations
@@ -215,11 +222,16 @@ class Server:
                 frame = _UNDECODABLE
             now = monotonic()
             handle(identity, frame, now)
-            if outbox:
+            sent = bool(outbox)
+            if sent:
                 self._flush()
-            observe(service.last_type.__name__, monotonic() - now)
+            seconds = monotonic() - now
             if not get(_EVENTS) & _POLLIN:  # after the send, which can take the edge
+                if sent:
+                    os.sched_yield()  # the I/O thread sends the replies first
+                observe(service.last_type.__name__, seconds)
                 break
+            observe(service.last_type.__name__, seconds)
         else:
             asyncio.get_running_loop().call_soon(self._drain)
         # The work the policies kept off the request path waits for an idle
