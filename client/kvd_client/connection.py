@@ -69,6 +69,12 @@ class Connection:
         # Presented in every Hello of this connection: the daemon knows a
         # reconnect of this process from another process on the same rank.
         self.instance = uuid.uuid4().hex
+        # `(tag, t)`: the daemon answered, in the session the owner tagged `tag`
+        # (`Scheduler.epoch`), a request sent at monotonic time t, so it renewed that
+        # session's lease at t or later: the session, and what it prepared and pinned,
+        # outlive t by at least the lease (SPEC 7). Set once the session is up.
+        self.tag = 0
+        self.acked: tuple[int, float] = (0, 0.0)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -172,9 +178,11 @@ class Connection:
         sock = self._sock
         if sock is None:
             raise Unavailable(f"not connected to the kvd daemon at {self.endpoint}")
-        sock.send(p.encoder.encode(msg))
-        self._last_sent = time.monotonic()
-        deadline = self._last_sent + timeout_ms / 1000
+        frame = p.encoder.encode(msg)
+        sent = time.monotonic()  # before the send: the daemon renews the lease later
+        sock.send(frame)
+        self._last_sent = sent
+        deadline = sent + timeout_ms / 1000
         wait_ms = timeout_ms
         while True:
             # One blocking recv with a timeout: cheaper than poll() then recv().
@@ -199,7 +207,11 @@ class Connection:
                         # caller this is "unreachable", like a timeout (SPEC 7).
                         self._drop()
                         raise Unavailable(f"session lost ({err}); reconnecting") from err
+                    if self._ready:
+                        self.acked = (self.tag, sent)
                     raise err
+                if self._ready:
+                    self.acked = (self.tag, sent)
                 return reply
             # else: a reply to a request that already timed out; skip it
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))

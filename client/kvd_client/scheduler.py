@@ -128,6 +128,7 @@ class Scheduler:
         self.attached = reply
         self._map_table(reply)
         self.epoch += 1
+        conn.tag = self.epoch
 
     def _map_table(self, reply: p.Attached) -> None:
         table = None
@@ -156,6 +157,17 @@ class Scheduler:
     @property
     def session_id(self) -> int | None:
         return self._conn.welcome.session_id if self._conn.welcome else None
+
+    @property
+    def lease_s(self) -> float:
+        """The daemon's lease (SPEC 7); 10 s until a daemon said otherwise."""
+        welcome = self._conn.welcome
+        return welcome.lease_ms / 1000 if welcome is not None else 10.0
+
+    def alive_since(self) -> tuple[int, float]:
+        """`(epoch, t)`: session `epoch` was alive at monotonic time t (the daemon
+        answered a request sent then), so it and what it holds outlive t by a lease."""
+        return self._conn.acked
 
     def _call(self, cls: type, *args: object) -> p.Reply:
         if self._observed:  # the daemon learns of earlier lookups first, in order

@@ -1,6 +1,10 @@
 """Runs in the test process: the plug-in's failure rules (SPEC section 12, issue 24).
 
-The plug-in's manager and worker on vLLM's own classes against a real daemon.
+The plug-in's manager and worker on vLLM's own classes against a real daemon,
+as vLLM's offloading connector drives them (`ferry` does what
+`KvdOffloadingConnector` does each step: the scheduler side's notes to the
+worker before its copies, the worker's reports of its store copies back
+before vLLM's completions); one real engine at the end for vLLM's cache reset.
 Each of these failed before its fix.
 """
 
@@ -8,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
@@ -20,14 +27,17 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
 )
 
+from kvd_client import protocol as p
+from kvd_client.connection import Connection
 from kvd_client.scheduler import Scheduler
 from kvd_client.vllm import KvdOffloadingSpec
 from kvd_client.vllm.manager import UNSERVABLE, KvdLoadStoreSpec, KvdOffloadingManager
-from kvd_client.vllm.worker import KvdOffloadingWorker
+from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
+from kvd_tools.vllm_harness.driver import EngineProcess, differences
 from kvd_tools.vllm_harness.engine import write_model
 from kvd_tools.vllm_harness.offload_config import offloading_config as config
-from tests.vllm.test_spec import registered
+from tests.vllm.test_spec import device, kv_caches_of, pinned, registered
 
 SLOT = 4096  # bytes a block in `config()`
 
@@ -55,10 +65,146 @@ def plugin(
     return spec, manager, worker, tensor
 
 
+def ferry(manager: KvdOffloadingManager, worker: KvdOffloadingWorker) -> None:
+    """The worker's store reports to the manager, as KvdOffloadingConnector carries them."""
+    manager.on_copies({token: (1, copied) for token, copied in worker.take_copies().items()})
+
+
+def store(
+    manager: KvdOffloadingManager,
+    worker: KvdOffloadingWorker,
+    job_id: int,
+    blocks: list[int],
+    spec: Any,
+    *,
+    notes: bool = True,
+) -> None:
+    """One step of vLLM's worker: the step's notes, then the deferred store copy."""
+    if notes:
+        worker.note(manager.step_notes())
+    assert worker.submit_store(job_id, device(blocks), spec)
+    assert [r.success for r in worker.get_finished()] == [True]  # vLLM asserts it
+    ferry(manager, worker)
+
+
 def observer(d: DaemonProcess, s: KvdOffloadingSpec) -> Scheduler:
     """Another engine's scheduler on the same pool, asking the daemon (no table)."""
     return Scheduler(s.choice.name, s.choice.layout, engine_id="observer", endpoint=d.endpoint,
                      use_table=False, timeout_ms=10_000)  # fmt: skip
+
+
+def wait_for(what: str, check: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+# -- 1. a completion names the prepare_store it completes ---------------------------
+
+
+@pytest.mark.parametrize("between", ["cold restart", "reconnect"])
+def test_a_completion_of_an_earlier_session_completes_nothing(between: str) -> None:
+    """J1 prepares K; the daemon restarts cold (or the plug-in reconnects and the old
+    session's hold on K runs out); J2 prepares K again. J1's completion (vLLM
+    names keys only) must not make K ready before J2 copied anything."""
+    d = DaemonProcess(restart="cold").start()
+    try:
+        s, manager, worker, tensor = plugin(d, kvd_ready_table=False)
+        scheduler = manager._scheduler
+        assert scheduler is not None
+        k = key(1)
+        first, second = ReqContext("first"), ReqContext("second")
+        j1 = manager.prepare_store([k], first)  # type: ignore[list-item]
+        assert j1 is not None and j1.keys_to_store == [k]
+        epoch = scheduler.epoch
+        if between == "cold restart":
+            d.kill(signal.SIGKILL)
+            d.start()
+        else:
+            scheduler._conn._drop()  # a timeout's reconnect: a new session
+        wait_for("no new session", lambda: scheduler.connected and scheduler.epoch > epoch)
+        j2 = None
+
+        def prepared_again() -> bool:  # the old session's hold on K runs out first
+            nonlocal j2
+            j2 = manager.prepare_store([k], second)  # type: ignore[list-item]
+            return j2 is not None and j2.keys_to_store == [k]
+
+        wait_for("K never prepared again", prepared_again)
+        assert j2 is not None
+        other = observer(d, s)
+        try:
+            manager.complete_store([k], first)  # type: ignore[list-item]  # J1's completion
+            assert other.lookup([k]) is None  # still being stored: not ready, not zeros
+            tensor[3] = 7
+            store(manager, worker, 2, [3], j2.store_spec)
+            manager.complete_store([k], second)  # type: ignore[list-item]  # J2's
+            assert other.lookup([k]) == 1
+            load = manager.prepare_load([k], second)  # type: ignore[list-item]
+            assert worker.submit_load(3, load, device([9]))
+            assert worker.take_load_errors() == set()
+            assert tensor[9].eq(7).all()  # J2's bytes
+        finally:
+            other.close()
+        manager.shutdown()
+        worker.shutdown()
+    finally:
+        d.stop()
+
+
+# -- 2. vLLM's cache reset ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flushed", [True, False])
+def test_a_reset_fails_the_stores_in_flight_and_releases_the_pins_at_once(
+    flushed: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM drops the completions of the stores in flight at `reset_cache`: kvd fails
+    them as soon as no worker can copy them (the workers flushed them and said so,
+    or their deadline passed), so no lookup of theirs answers None for long."""
+    with DaemonProcess() as d:
+        s, manager, worker, tensor = plugin(d, kvd_ready_table=False)
+        ready, flying = key(1), key(2)
+        out = manager.prepare_store([ready], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        store(manager, worker, 1, [0], out.store_spec)
+        manager.complete_store([ready], ReqContext("w"))  # type: ignore[list-item]
+        ctx = registered(ReqContext("r"), [ready])
+        assert manager.lookup(ready, ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        assert pinned(d, s.choice.name) == 1
+        job = manager.prepare_store([flying], ReqContext("w2"))  # type: ignore[list-item]
+        assert job is not None and job.keys_to_store == [flying]
+        other = observer(d, s)
+        try:
+            assert other.lookup([flying]) is None  # being stored
+            manager.reset_cache()
+            assert pinned(d, s.choice.name) == 0  # at once
+            if flushed:  # vLLM's next step flushes the job: the worker refuses it, says so
+                tensor[5] = 9
+                store(manager, worker, 2, [5], job.store_spec)
+                assert other.lookup([flying]) == 0
+            else:  # no step: the deadline (a lease, 0.6 s here) and a copy's margin
+                assert manager.has_pending_work()  # vLLM keeps stepping
+                start = time.monotonic()
+
+                def settled() -> bool:
+                    manager.on_schedule_end(None)
+                    return other.lookup([flying]) == 0
+
+                wait_for("the store in flight stayed in flight", settled, 5 * d.lease_s + 3)
+                assert time.monotonic() - start < d.lease_s + 2.5
+            assert not manager.has_pending_work()
+            assert other.lookup([ready]) == 1  # kvd keeps what was stored
+        finally:
+            other.close()
+        # The engine reads and writes the pool no more (its weights may have changed).
+        assert manager.lookup(ready, registered(ReqContext("r2"), [ready])) is LookupResult.MISS  # type: ignore[arg-type]
+        assert manager.prepare_store([key(3)], ReqContext("w3")) is None  # type: ignore[list-item]
+        lines = [r.getMessage() for r in caplog.records if "offloading off" in r.getMessage()]
+        assert len(lines) == 1 and "reset_connector=True" in lines[0]
+        manager.shutdown()
+        worker.shutdown()
 
 
 # -- 3. long prompts: bounded requests, no exception ---------------------------------
@@ -97,6 +243,108 @@ def test_a_lookup_of_100k_keys_without_the_table_answers_a_count() -> None:
         worker.shutdown()
 
 
+# -- 10. a failed copy is a store not completed, a load recomputed ------------------
+
+
+def test_a_failed_store_copy_is_a_store_failed_not_an_exception() -> None:
+    with DaemonProcess() as d:
+        s, manager, worker, _ = plugin(d, kvd_ready_table=False)
+        k = key(1)
+        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        # A device block vLLM does not have: the copy fails (as a CUDA error or an
+        # out-of-memory `.cpu()` would), inside submit_store.
+        store(manager, worker, 1, [10**6], out.store_spec)
+        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        other = observer(d, s)
+        try:
+            assert other.lookup([k]) == 0  # failed: not ready, and not left in flight
+        finally:
+            other.close()
+        stats = manager.get_stats()
+        assert stats is not None and stats.reduce()["vllm:kv_offload_kvd_stores_failed"] == 1
+        # A failed load copy: handed back to recompute.
+        assert worker.submit_load(2, KvdLoadStoreSpec([10**6], out.store_spec.generation),  # type: ignore[attr-defined]
+                                  device([4]))  # fmt: skip
+        assert worker.take_load_errors() == {4}
+        manager.shutdown()
+        worker.shutdown()
+
+
+def test_under_vllms_plain_connector_kvd_is_off_with_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's plain OffloadingConnector could neither recompute a load kvd could not
+    serve nor hear of a failed copy: kvd refuses to run under it."""
+    with DaemonProcess() as d:
+        spec = KvdOffloadingSpec(config(kvd_endpoint=d.endpoint, kvd_connector=False))
+        manager = spec.get_manager()
+        assert manager.prepare_store([key(1)], ReqContext("w")) is None  # type: ignore[list-item]
+        worker = spec.get_worker(kv_caches_of(torch.zeros((4, SLOT), dtype=torch.int8)))
+        assert isinstance(worker, IdleWorker)
+        (line, *_) = [r.getMessage() for r in caplog.records if "offloading off" in r.getMessage()]
+        assert "KvdOffloadingConnector" in line and "plain OffloadingConnector" in line
+
+
+# -- 11. no copy past its deadline ----------------------------------------------------
+
+
+def test_a_store_copied_after_its_session_was_rolled_back_is_refused() -> None:
+    """Engine A prepares K1 into the pool's one slot and stalls past two leases: the
+    daemon rolls A back and gives the slot to engine B's K2. A's worker copies a
+    step later: refused (its deadline passed), never over B's block."""
+    with DaemonProcess() as d:
+        a = plugin(d, "engine-a", kvd_pool="one", kvd_capacity_bytes=SLOT, kvd_ready_table=False)
+        b = plugin(d, "engine-b", kvd_pool="one", kvd_capacity_bytes=SLOT, kvd_ready_table=False)
+        (_, manager_a, worker_a, tensor_a), (_, manager_b, worker_b, tensor_b) = a, b
+        late = manager_a.prepare_store([key(1)], ReqContext("a"))  # type: ignore[list-item]
+        assert late is not None and late.keys_to_store == [key(1)]
+        scheduler_a = manager_a._scheduler
+        assert scheduler_a is not None
+        with scheduler_a._conn._lock:  # A's process stalls: not even a heartbeat
+            ours = None
+
+            def slot_given_to_b() -> bool:
+                nonlocal ours
+                ours = manager_b.prepare_store([key(2)], ReqContext("b"))  # type: ignore[list-item]
+                return ours is not None and ours.keys_to_store == [key(2)]
+
+            wait_for("the slot never came free", slot_given_to_b, 5 * d.lease_s + 5)
+            assert ours is not None
+            tensor_b[0] = 2
+            store(manager_b, worker_b, 1, [0], ours.store_spec)
+            manager_b.complete_store([key(2)], ReqContext("b"))  # type: ignore[list-item]
+        tensor_a[0] = 1
+        store(manager_a, worker_a, 1, [0], late.store_spec)  # A's deferred copy, late
+        load = manager_b.prepare_load([key(2)], ReqContext("b"))  # type: ignore[list-item]
+        assert worker_b.submit_load(2, load, device([8]))
+        assert tensor_b[8].eq(2).all(), "A's late copy landed in B's block"
+        for manager, worker in ((manager_a, worker_a), (manager_b, worker_b)):
+            manager.shutdown()
+            worker.shutdown()
+
+
+def test_a_step_longer_than_the_lease_still_stores_while_the_session_lives() -> None:
+    """The deadline follows the session, renewed each step (vLLM copies a store a
+    step after its prepare, and a step may take longer than a lease)."""
+    with DaemonProcess() as d:
+        s, manager, worker, tensor = plugin(d, kvd_ready_table=False)
+        k = key(1)
+        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        time.sleep(3 * d.lease_s)  # a long forward; the keeper heartbeats meanwhile
+        tensor[2] = 5
+        store(manager, worker, 1, [2], out.store_spec)  # with this step's notes
+        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        other = observer(d, s)
+        try:
+            assert other.lookup([k]) == 1
+        finally:
+            other.close()
+        manager.shutdown()
+        worker.shutdown()
+
+
 # -- 2. new weights at the same path: another pool -------------------------------------
 
 
@@ -131,3 +379,45 @@ def test_new_weights_at_the_same_path_get_another_pool(tmp_path: Path) -> None:
     assert after != before
     names = {choose_pool(config(kvd_weights=f)).name for f in (before, after)}
     assert len(names) == 2
+
+
+# -- a real engine: vLLM's reset_prefix_cache(reset_connector=True) ----------------------
+
+PREFIX = [(i * 37) % 1000 + 3 for i in range(256)]
+PROMPTS = [PREFIX + [(i * 11 + j * 101) % 1000 + 3 for i in range(96)] for j in range(2)]
+
+
+def test_an_engine_answers_after_vllms_connector_reset(tmp_path: Path) -> None:
+    """After `reset_prefix_cache(reset_connector=True)` the engine answers the same
+    prompts within a bound, with the outputs it gave before (recomputed: it reads
+    the pool no more), and says so once in its log."""
+    model = write_model(tmp_path / "tiny-llama")
+    with DaemonProcess(lease_ms="3000") as d:
+        kvd = {"kvd_endpoint": d.endpoint, "kvd_capacity_bytes": 64 << 20}
+        engine = EngineProcess({"model": model, "kvd": kvd})
+        try:
+            first = engine.outputs(PROMPTS)
+            reply = engine.ask({"reset_prefix_cache": True, "reset_connector": True}, timeout=60)
+            assert reply == {"ok": True}
+            start = time.monotonic()
+            again = engine.outputs(PROMPTS)
+            assert time.monotonic() - start < 60
+            assert not differences(again, first)
+            figures = engine.metrics()
+            assert figures.get("vllm:kv_offload_kvd_unservable_loads", 0) == 0
+            assert "kvd offloading off for this engine: vLLM reset" in engine.log_tail(200_000)
+        finally:
+            engine.stop()
+        # What it stored before the reset stays for the engines that share its pool.
+        assert sum(info.blocks_ready for info in pools(d)) >= 8
+
+
+def pools(d: DaemonProcess) -> list[p.PoolInfo]:
+    conn = Connection(d.endpoint, role="admin", keeper=False, timeout_ms=2000)
+    conn.connect()
+    try:
+        reply = conn.call(p.Pools)
+        assert isinstance(reply, p.PoolsResult)
+        return list(reply.pools)
+    finally:
+        conn.close()

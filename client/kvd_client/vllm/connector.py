@@ -1,20 +1,31 @@
-"""Runs in vLLM's processes: `KvdOffloadingConnector`, which reports the loads kvd could not serve.
+"""Runs in vLLM's processes: `KvdOffloadingConnector`, vLLM's connector plus what kvd needs.
 
 vLLM's own connector asserts that every transfer succeeded and has no way to
-say that a load was not served. kvd's worker never fails a transfer; a load
-it cannot serve leaves its device blocks in the worker's `load_errors`, and
-this connector hands them to vLLM (`get_block_ids_with_load_errors`), whose
-scheduler recomputes them when `kv_load_failure_policy` is "recompute" (the
-README's command sets it; with vLLM's default "fail" the request fails with
-an error instead, and a warning at start says so). It also names the engine's weights
-(revision, quantization, overrides, and the names, sizes and mtimes of a local
-model's weight files) in the default pool name, which vLLM's offloading config
-leaves out, and turns offloading off for an engine with
-several KV cache groups, whose failed loads vLLM cannot take block by block.
+say that a load was not served or a store not copied. This subclass:
+
+- hands vLLM the loads kvd could not serve (the worker's `load_errors`,
+  `get_block_ids_with_load_errors`), whose scheduler recomputes them when
+  `kv_load_failure_policy` is "recompute" (the README's command sets it;
+  with vLLM's default "fail" the request fails with an error instead, and a
+  warning at start says so);
+- carries, each step, the scheduler side's `StepNotes` to the workers
+  (`KvdConnectorMetadata`: until when the session's slots are held, which
+  stores a reset cancelled), and the workers' reports of their store copies
+  back (`KvdWorkerMetadata`), so that a store not copied is completed as
+  failed and never becomes ready;
+- names the engine's weights in the default pool name (`weights_fingerprint`:
+  revision, quantization, overrides, and the names, sizes and mtimes of the
+  weight files of a local model), which vLLM's offloading config leaves out;
+- marks the config (`kvd_connector`): the spec turns kvd off under vLLM's
+  plain connector, which can neither recompute a load kvd could not serve
+  nor hear of a failed copy;
+- turns offloading off for an engine with several KV cache groups, whose
+  failed loads vLLM cannot take block by block.
+
 Everything else is vLLM's connector unchanged. Load it with `kv_connector_module_path`:
 
     {"kv_connector": "KvdOffloadingConnector",
-     "kv_connector_module_path": "kvd_client.vllm.connector",
+     "kv_connector_module_path": "kvd_client.vllm",
      "kv_load_failure_policy": "recompute", ...}
 """
 
@@ -24,15 +35,25 @@ import hashlib
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+    OffloadingWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvd_client.vllm.manager import KvdOffloadingManager, StepNotes
 from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 
 log = logging.getLogger("kvd_client.vllm")
@@ -87,10 +108,35 @@ def weights_fingerprint(vllm_config: Any) -> str:
     return ";".join(parts)
 
 
+@dataclass
+class KvdConnectorMetadata(OffloadingConnectorMetadata):
+    """vLLM's per-step metadata, and the scheduler side's `StepNotes` for the workers."""
+
+    kvd: StepNotes | None = None
+
+
+@dataclass
+class KvdWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker-to-scheduler metadata, and the workers' store copies:
+    `copies[token] = (workers that reported, all of them copied)`."""
+
+    copies: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        base = super().aggregate(other)
+        assert isinstance(base, OffloadingWorkerMetadata)
+        copies = dict(self.copies)
+        for token, (workers, copied) in getattr(other, "copies", {}).items():
+            had, ok = copies.get(token, (0, True))
+            copies[token] = (had + workers, ok and copied)
+        return KvdWorkerMetadata(base.completed_jobs, base.transfer_stats, copies)
+
+
 class KvdOffloadingConnector(OffloadingConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra.setdefault("kvd_weights", weights_fingerprint(vllm_config))
+        extra["kvd_connector"] = True  # the spec refuses vLLM's plain connector
         groups = len(kv_cache_config.kv_cache_groups)
         if groups > 1:  # vLLM cannot map failed blocks back to requests then
             extra["kvd_refuse"] = (
@@ -106,15 +152,71 @@ class KvdOffloadingConnector(OffloadingConnector):
                 policy,
             )
 
+    # -- the scheduler side ------------------------------------------------------
+
+    def _kvd_manager(self) -> KvdOffloadingManager | None:
+        manager = self.connector_scheduler.manager if self.connector_scheduler else None
+        return manager if isinstance(manager, KvdOffloadingManager) else None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        manager = self._kvd_manager()
+        if manager is None or not isinstance(meta, OffloadingConnectorMetadata):
+            return meta
+        return KvdConnectorMetadata(
+            load_jobs=meta.load_jobs,
+            store_jobs=meta.store_jobs,
+            jobs_to_flush=meta.jobs_to_flush,
+            kvd=manager.step_notes(),
+        )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        manager = self._kvd_manager()
+        if manager is not None and isinstance(meta, KvdWorkerMetadata) and meta.copies:
+            manager.on_copies(meta.copies)  # before vLLM's completions of the same jobs
+        super().update_connector_output(connector_output)
+
+    # -- the worker side ---------------------------------------------------------
+
     def _kvd_worker(self) -> KvdOffloadingWorker | IdleWorker | None:
         worker = self.connector_worker.worker if self.connector_worker is not None else None
         return worker if isinstance(worker, KvdOffloadingWorker | IdleWorker) else None
+
+    def _note(self, meta: Any) -> None:
+        worker = self._kvd_worker()
+        if worker is not None and isinstance(meta, KvdConnectorMetadata):
+            worker.note(meta.kvd)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         worker = self._kvd_worker()
         if worker is not None:
             worker.reports_load_errors = True
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._note(kv_connector_metadata)  # it may start the deferred stores
+        super().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._note(self._connector_metadata)
+        super().start_load_kv(forward_context, **kwargs)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self._kvd_worker()
+        copies = worker.take_copies() if worker is not None else {}
+        if meta is None and not copies:
+            return None
+        if meta is not None and not isinstance(meta, OffloadingWorkerMetadata):
+            return meta
+        # Always kvd's type, so that every worker's aggregates with every other's.
+        base = meta if meta is not None else OffloadingWorkerMetadata()
+        return KvdWorkerMetadata(
+            base.completed_jobs,
+            base.transfer_stats,
+            {token: (1, copied) for token, copied in copies.items()},
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvd_worker()

@@ -14,14 +14,39 @@ vLLM loads that holds no pin (the pins went with a reset) is pinned then; if
 that fails too, the load's spec names no segment (`UNSERVABLE`), and the
 workers report its blocks for vLLM to recompute.
 
+A store completes only the `prepare_store` it names (SPEC 12). vLLM
+completes a store by its request and keys alone, so the manager keeps each
+store in flight (`_Store`: its keys, the session it was prepared in, a
+token the workers echo) and matches the completion to it: one of an earlier
+session (a reconnect, a daemon restarted, a lease rolled back) completes
+nothing, and a store becomes ready only if every worker that copies it
+reported the copy done (`on_copies`, from `KvdOffloadingConnector`). Each
+spec carries a deadline: no worker starts a copy past it, since by then the
+daemon may have given the slots to other blocks (a session's holdings
+outlive the last request the daemon answered by two leases; the deadline
+is one lease after it, renewed each step by `step_notes`).
+
+vLLM's `reset_cache` (`reset_prefix_cache(reset_connector=True)`, also a
+pause that clears caches) drops the completions of the stores in flight:
+they fail here as soon as no worker can copy them any more (every writer
+reported, or past their deadline), so no lookup waits on them, and the pins
+go at once. Since such a reset is how vLLM clears caches after an in-place
+weight update, which kvd cannot see, the engine then stops reading and
+writing the pool (one log line) until it restarts: it never loads KV of
+weights it no longer has.
+
 kvd never breaks vLLM: a daemon that is down, slow or refusing costs misses
-and skipped stores, never an exception into the scheduler.
+and skipped stores, never an exception into the scheduler; each failure
+is one log line, at most one a kind every `FailureLog` interval.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+import math
+import time
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -42,6 +67,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvd_client.errors import KvdError
 from kvd_client.scheduler import Scheduler
+from kvd_client.vllm.boundary import FailureLog
 from kvd_client.vllm.metrics import KvdCounters
 
 log = logging.getLogger("kvd_client.vllm")
@@ -57,9 +83,48 @@ class KvdLoadStoreSpec(CPULoadStoreSpec):
     it was promised, and a store meant for it never lands in the new one.
     """
 
-    def __init__(self, slots: list[int], generation: int) -> None:
+    def __init__(
+        self,
+        slots: list[int],
+        generation: int,
+        *,
+        token: int = 0,
+        session: int = 0,
+        deadline: float = math.inf,
+    ) -> None:
         super().__init__(slots)
         self.generation = generation
+        self.token = token  # a store's: names its prepare_store (0: a load)
+        self.session = session  # the `Scheduler.epoch` that holds the slots
+        self.deadline = deadline  # monotonic: no worker starts the copy later
+
+
+COPY_MARGIN_S = 1.0  # a copy started before its deadline has ended by this much after
+
+
+@dataclass(frozen=True, slots=True)
+class StepNotes:
+    """What the scheduler side tells its workers each step (`KvdConnectorMetadata`):
+    session `session` holds its slots until `alive_until` (monotonic; a copy of it
+    may start until then, later than its spec's deadline), and no store with a
+    token below `cancel_below` may be copied (vLLM reset the cache since)."""
+
+    session: int
+    alive_until: float
+    cancel_below: int
+
+
+@dataclass
+class _Store:
+    """One `prepare_store` in flight; vLLM completes it by its request and keys."""
+
+    token: int
+    keys: list[bytes]  # keys_to_store, in the order of their slots
+    session: int  # the `Scheduler.epoch` it was prepared in
+    deadline: float  # its spec's
+    writers: int  # workers that copy it (under MLA the others acknowledge only)
+    reports: int = 0  # workers that reported their copy
+    copied: bool = True  # every report so far said copied
 
 
 @dataclass
@@ -88,8 +153,24 @@ class _Request:
 
 
 class KvdOffloadingManager(OffloadingManager):
-    def __init__(self, scheduler: Scheduler | None, *, enable_events: bool = False) -> None:
+    def __init__(
+        self, scheduler: Scheduler | None, *, enable_events: bool = False, writers: int = 1
+    ) -> None:
         self._scheduler = scheduler  # None: offloading off for this engine
+        self._writers = writers  # workers that copy each store
+        # Stores in flight by (request, keys), the oldest first, and by token.
+        self._stores: dict[tuple[str, frozenset[bytes]], deque[_Store]] = {}
+        self._by_token: dict[int, _Store] = {}
+        self._next_token = 1
+        # Stores whose completions vLLM dropped (a cache reset): failed once no
+        # worker can copy them any more. Meanwhile offloading is off, and the
+        # session that settles them is `_draining`; it closes when they are done.
+        self._orphans: dict[int, _Store] = {}
+        self._draining: Scheduler | None = None
+        self._cancel_below = 0  # no store with a lower token may be copied
+        self._alive_handed = 0.0  # the latest `alive_until` told the workers
+        self._alive_at_reset = 0.0
+        self._failures = FailureLog(log)
         self._requests: dict[str, _Request] = {}
         self._step = 0  # scheduler steps so far (`on_schedule_end`)
         self._counters = KvdCounters()
@@ -137,6 +218,8 @@ class KvdOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: object) -> None:
         self._step += 1
+        if self._orphans:
+            self._settle()
 
     def _session(self) -> int | None:
         """This session with the daemon (`Scheduler.epoch`); None while disconnected."""
@@ -225,7 +308,10 @@ class KvdOffloadingManager(OffloadingManager):
                 self._counters.add("unservable_loads")
                 return KvdLoadStoreSpec([0] * len(wanted), UNSERVABLE)
         got = [state.pinned[k] for k in wanted]
-        return KvdLoadStoreSpec([pin.slot for pin in got], got[0].generation)
+        session, until = self._alive_until(self._scheduler)
+        return KvdLoadStoreSpec(
+            [pin.slot for pin in got], got[0].generation, session=session, deadline=until
+        )
 
     def _pin(self, state: _Request, keys: list[bytes]) -> bool:
         """Pins `keys`, which vLLM loads without a valid pin (a reset or a reconnect
@@ -252,12 +338,23 @@ class KvdOffloadingManager(OffloadingManager):
         if self._scheduler is not None:
             try:
                 self._scheduler.touch([bytes(k) for k in keys])
-            except KvdError as exc:
-                log.debug("kvd touch skipped: %s", exc)
+            except Exception as exc:  # the boundary: nothing from kvd reaches vLLM
+                self._failures.note("touch", exc, "skipped")
 
     def _generation(self) -> int:
         attached = self._scheduler.attached if self._scheduler is not None else None
         return attached.generation if attached is not None else 0
+
+    @staticmethod
+    def _alive_until(scheduler: Scheduler | None) -> tuple[int, float]:
+        """`(epoch, t)`: until monotonic t a worker may start copying what session
+        `epoch` holds. The daemon answered that session a request sent a lease
+        before t, so it ends a lease after t at the earliest, and what it holds
+        one lease later still: a copy started by t has a lease to finish."""
+        if scheduler is None:
+            return 0, 0.0
+        epoch, since = scheduler.alive_since()
+        return epoch, since + scheduler.lease_s
 
     def _unpin(self, state: _Request, keys: list[bytes]) -> None:
         """Releases the pins of `keys`; those of an earlier session the daemon rolls back."""
@@ -276,12 +373,14 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self._scheduler is None:
+        scheduler = self._scheduler
+        if scheduler is None:
             return None
+        session, generation = self._session(), self._generation()
         try:
-            out = self._scheduler.prepare_store([bytes(k) for k in keys])
-        except KvdError as exc:
-            log.debug("kvd prepare_store skipped: %s", exc)
+            out = scheduler.prepare_store([bytes(k) for k in keys])
+        except Exception as exc:  # the boundary: nothing from kvd reaches vLLM
+            self._failures.note("prepare_store", exc, "store skipped")
             self._counters.add("daemon_errors")
             self._counters.add("stores_skipped")
             return None
@@ -290,33 +389,94 @@ class KvdOffloadingManager(OffloadingManager):
             return None
         if out.evicted_keys and self._events is not None:
             self._events.append(OffloadingEvent(list(out.evicted_keys), Medium.CPU, removed=True))
+        epoch, deadline = self._alive_until(scheduler)
+        if session is None or self._session() != session or epoch != session:
+            # A reconnect raced the call: what it prepared went with the old session.
+            self._counters.add("stores_skipped")
+            return None
+        token = 0
+        if out.keys_to_store:
+            token, self._next_token = self._next_token, self._next_token + 1
+            store = _Store(token, list(out.keys_to_store), session, deadline, self._writers)
+            self._stores.setdefault((req_context.req_id, frozenset(store.keys)), deque()).append(
+                store
+            )
+            self._by_token[token] = store
+        spec = KvdLoadStoreSpec(
+            list(out.store_spec.slots), generation, token=token, session=session, deadline=deadline
+        )
         return PrepareStoreOutput(
             keys_to_store=[OffloadKey(k) for k in out.keys_to_store],
-            store_spec=KvdLoadStoreSpec(list(out.store_spec.slots), self._generation()),
+            store_spec=spec,
             evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
         )
+
+    def on_copies(self, copies: Mapping[int, tuple[int, bool]]) -> None:
+        """The workers' reports of their store copies, `token -> (workers, all
+        copied)`; `KvdOffloadingConnector` hands them over before vLLM's
+        completions of the same step. A copy refused (past its deadline,
+        cancelled) or failed counts as not copied."""
+        for token, (workers, copied) in copies.items():
+            store = self._by_token.get(token) or self._orphans.get(token)
+            if store is not None:
+                store.reports += workers
+                store.copied = store.copied and copied
+        if self._orphans:
+            self._settle()
+
+    def step_notes(self) -> StepNotes | None:
+        """What the workers need this step (`StepNotes`); None when kvd is off."""
+        scheduler = self._scheduler or self._draining
+        if scheduler is None:
+            return None
+        session, until = self._alive_until(scheduler)
+        self._alive_handed = max(self._alive_handed, until)
+        return StepNotes(session, until, self._cancel_below)
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        """vLLM calls this once every rank finished the store: kvd completes it then."""
+        """vLLM calls this once every rank finished a store job, naming its request
+        and keys: it completes the `prepare_store` that made the job, if that was
+        in this session, and makes the blocks ready if every writer copied them."""
+        found = self._stores.get((req_context.req_id, frozenset(bytes(k) for k in keys)))
+        if not found:
+            return  # none in flight (vLLM dropped it, or it stored nothing)
+        store = found.popleft()
+        if not found:
+            del self._stores[(req_context.req_id, frozenset(store.keys))]
+        del self._by_token[store.token]
         if self._scheduler is None:
             return
-        stored = [bytes(k) for k in keys]
+        if store.session != self._session():
+            # Prepared in a session that ended (its stores went with it): if the
+            # same keys were prepared again since, that store is not this one.
+            self._counters.add("stale_completions")
+            self._failures.note(
+                "store completion", f"prepared in session {store.session}", "completed nothing"
+            )
+            return
+        ok = success and store.copied and store.reports >= store.writers
         try:
-            accepted = self._scheduler.complete_store(stored, success)
-        except KvdError as exc:  # the session changed under the store: it stays unready
-            log.info("kvd complete_store refused: %s", exc)
+            accepted = self._scheduler.complete_store(store.keys, ok)
+        except Exception as exc:  # the boundary: the store stays unready
+            self._failures.note("complete_store", exc, "store left unready")
             accepted = False
         if not accepted:
             self._counters.add("daemon_errors")
             return
-        if success:
-            self._counters.add("stored_keys", len(stored))
-            if self._events is not None and stored:
-                self._events.append(
-                    OffloadingEvent([OffloadKey(k) for k in stored], Medium.CPU, removed=False)
-                )
+        if not ok:
+            self._counters.add("stores_failed")
+            self._failures.note(
+                "store copy", f"{store.reports} of {store.writers} workers copied it",
+                "store completed as failed",
+            )  # fmt: skip
+            return
+        self._counters.add("stored_keys", len(store.keys))
+        if self._events is not None:
+            self._events.append(
+                OffloadingEvent([OffloadKey(k) for k in store.keys], Medium.CPU, removed=False)
+            )
 
     # -- requests and steps ------------------------------------------------------
 
@@ -337,12 +497,68 @@ class KvdOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingConnectorStats | None:
         return self._counters.take()
 
+    def has_pending_work(self) -> bool:
+        """Stores to settle after a reset: vLLM keeps stepping, so the workers flush
+        them and report."""
+        return bool(self._orphans)
+
     def reset_cache(self) -> None:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`: the pins go now, the
+        stores in flight fail as soon as no worker can copy them (vLLM drops their
+        completions), and offloading goes off for this engine (module docstring)."""
+        self._release_pins()
+        for queue in self._stores.values():
+            for store in queue:
+                self._orphans[store.token] = store
+        self._stores.clear()
+        self._by_token.clear()
+        self._cancel_below = self._next_token
+        self._alive_at_reset = self._alive_handed
+        if self._scheduler is not None:
+            log.warning(
+                "kvd offloading off for this engine: vLLM reset the connector's cache "
+                "(reset_prefix_cache(reset_connector=True), as after an in-place weight "
+                "update), and kvd cannot tell whether the pool's KV still matches this "
+                "engine's weights; it neither reads nor writes pool %r until the engine "
+                "restarts (%d stores in flight failed, pins released)",
+                self._scheduler.pool,
+                len(self._orphans),
+            )
+            self._draining, self._scheduler = self._scheduler, None
+        self._settle()
+
+    def _release_pins(self) -> None:
         for state in self._requests.values():
             self._unpin(state, list(state.pinned))
         self._requests.clear()
 
+    def _settle(self) -> None:
+        """Fails the orphaned stores that no worker can copy any more (every writer
+        reported, or past the last deadline a worker was told and a copy's margin),
+        then closes the session of an engine whose offloading went off."""
+        scheduler = self._scheduler or self._draining
+        connected = scheduler is not None and scheduler.connected
+        current = scheduler.epoch if scheduler is not None and connected else None
+        now = time.monotonic()
+        for token, store in list(self._orphans.items()):
+            copying = store.session == current and store.reports < store.writers
+            if copying and now < max(store.deadline, self._alive_at_reset) + COPY_MARGIN_S:
+                continue  # a worker may still copy it
+            del self._orphans[token]
+            if store.session != current or scheduler is None:
+                continue  # it went with its session
+            try:
+                scheduler.complete_store(store.keys, False)
+            except Exception as exc:  # the boundary
+                self._failures.note("complete_store", exc, "left to the daemon's rollback")
+        if not self._orphans and self._draining is not None:
+            draining, self._draining = self._draining, None
+            draining.close()
+
     def shutdown(self) -> None:
-        self.reset_cache()
-        if self._scheduler is not None:
-            self._scheduler.close()
+        self._release_pins()
+        self._orphans.clear()
+        for scheduler in (self._scheduler, self._draining):
+            if scheduler is not None:
+                scheduler.close()  # the daemon rolls back what is left, a lease later
+        self._scheduler = self._draining = None

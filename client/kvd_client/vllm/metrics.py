@@ -24,6 +24,10 @@ COUNTERS: dict[str, str] = {
     "stores_skipped": "Store requests kvd did not take (no room, all pinned, daemon error).",
     "stored_keys": "Keys whose store vLLM completed into kvd.",
     "unservable_loads": "Loads kvd could no longer serve, handed to vLLM to recompute.",
+    "stores_failed": "Stores completed as failed (a copy failed, refused past its deadline or "
+    "cancelled): never ready.",
+    "stale_completions": "Store completions of an earlier session (a reconnect, a restart, a "
+    "rolled-back lease): they completed nothing.",
 }
 
 

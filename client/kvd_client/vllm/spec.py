@@ -8,6 +8,9 @@ engine creates it). A pool whose layout does not match, or a KV cache kvd
 cannot hold, is one log line and offloading off for this engine.
 `kvd_ready_table` (default true): look up from the pool's ready table where
 it can be mapped; false: every lookup is a round trip that also pins.
+kvd runs only under `KvdOffloadingConnector` (it sets `kvd_connector`):
+under vLLM's plain `OffloadingConnector` a load kvd could not serve would be
+computed on as if loaded, so there kvd is off, with one log line.
 """
 
 from __future__ import annotations
@@ -54,6 +57,12 @@ class KvdOffloadingSpec(OffloadingSpec):
     def _refusal(self) -> str | None:
         """Why kvd cannot hold this engine's KV, or None; the same answer in the
         scheduler and in every worker, since all read the same config."""
+        if not self.extra_config.get("kvd_connector"):  # set by KvdOffloadingConnector
+            return (
+                "vLLM's plain OffloadingConnector cannot recompute a load kvd could not "
+                "serve; set kv_connector to KvdOffloadingConnector and "
+                "kv_connector_module_path to kvd_client.vllm (README, Use with vLLM)"
+            )
         if self.extra_config.get("kvd_refuse"):
             return str(self.extra_config["kvd_refuse"])  # set by KvdOffloadingConnector
         if len(self.config.groups) != 1:
@@ -85,8 +94,11 @@ class KvdOffloadingSpec(OffloadingSpec):
                     log.warning(
                         "kvd offloading off for this engine: pool %r: %s", self.choice.name, exc
                     )
+            layout = self.choice.layout
             self._manager = KvdOffloadingManager(
-                scheduler, enable_events=self.kv_events_config.enable_kv_cache_events
+                scheduler,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                writers=1 if layout.replicated else layout.world_size,
             )
         return self._manager
 

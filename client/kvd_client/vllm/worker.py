@@ -16,20 +16,22 @@ mapped: after a cold daemon restart a load pinned in the old segment still
 reads it (nobody writes there any more), never the new one. The daemon completes a store when
 vLLM's scheduler side says every rank has finished (`complete_store`).
 
-vLLM asserts that every transfer succeeded, so the worker never reports a
-failure. A load it cannot serve (its segment is gone, or the manager could
-not pin it) leaves its device blocks in `load_errors`, which
-`KvdOffloadingConnector` hands to vLLM to recompute; under vLLM's plain
-`OffloadingConnector` nobody could, so the worker stops with a clear error
-rather than let vLLM compute on bytes it never loaded. A store into a segment
-that is gone is skipped: its daemon is gone, and the new one refuses to
-complete it. A store into a segment that exists but cannot be mapped stops
-the worker with a clear error, since the daemon would complete it.
+No exception from kvd leaves `submit_*` (SPEC section 12), and vLLM, which
+asserts that every transfer succeeded, is told each one did. A load the
+worker cannot serve (its segment is gone, the manager could not pin it, the
+copy failed, or it comes past its deadline) leaves its device blocks in
+`load_errors`, which `KvdOffloadingConnector` hands to vLLM to recompute (the
+spec turns kvd off under vLLM's plain connector, which could not). A store
+copies nothing past its deadline or once vLLM reset the cache since its
+prepare (`StepNotes`, each step from the scheduler side), and one whose
+copy fails is reported not copied (`take_copies`, by its token), so the
+manager completes it as failed: its slots are freed and nobody reads them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -48,7 +50,8 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import BadRequest, KvdError
 from kvd_client.segment import read_segment_header
-from kvd_client.vllm.manager import UNSERVABLE
+from kvd_client.vllm.boundary import FailureLog
+from kvd_client.vllm.manager import UNSERVABLE, StepNotes
 from kvd_client.worker import Mapping
 
 log = logging.getLogger("kvd_client.vllm")
@@ -88,6 +91,9 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._results: list[TransferResult] = []
         self.load_errors: set[int] = set()  # device blocks of loads not served
         self.reports_load_errors = False  # set by KvdOffloadingConnector
+        self._notes: StepNotes | None = None  # this step's, from the scheduler side
+        self._copies: dict[int, bool] = {}  # store token -> copied, not reported yet
+        self._failures = FailureLog(log)
         self._conn = Connection(
             endpoint,
             role="worker",
@@ -137,92 +143,108 @@ class KvdOffloadingWorker(OffloadingWorker):
 
     # -- OffloadingWorker -------------------------------------------------------
 
+    def note(self, notes: StepNotes | None) -> None:
+        """This step's notes from the scheduler side (`KvdOffloadingConnector`),
+        before the step's copies start."""
+        if notes is not None:
+            self._notes = notes
+
+    def _late(self, spec: LoadStoreSpec) -> str | None:
+        """Why a copy of `spec` may not start now, or None."""
+        notes = self._notes
+        token = getattr(spec, "token", 0)
+        if token and notes is not None and token < notes.cancel_below:
+            return "cancelled: vLLM reset the cache after its prepare_store"
+        deadline = getattr(spec, "deadline", math.inf)
+        if notes is not None and notes.session == getattr(spec, "session", None):
+            deadline = max(deadline, notes.alive_until)
+        late = time.monotonic() - deadline
+        if late > 0:
+            return f"{late:.3f} s past its deadline (its slots may be other blocks' by now)"
+        return None
+
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
-        return self._copy(job_id, src_spec, dst_spec, store=True)
+        start = time.perf_counter()
+        nbytes, copied = 0, False
+        try:  # the boundary: a store not copied, never an engine stopped
+            why = self._late(dst_spec)
+            if why is None:
+                nbytes = self._copy(src_spec, dst_spec, store=True)
+                copied = True
+            else:
+                self._failures.note("store copy", f"job {job_id}: {why}", "refused")
+        except Exception as exc:
+            self._failures.note("store copy", f"job {job_id}: {exc}", "store not completed")
+            nbytes = 0
+        token = getattr(dst_spec, "token", 0)
+        if token:
+            self._copies[token] = copied
+        self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+        return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        return self._copy(job_id, dst_spec, src_spec, store=False)
-
-    def _copy(
-        self, job_id: int, device: GPULoadStoreSpec, pool: LoadStoreSpec, *, store: bool
-    ) -> bool:
-        assert isinstance(pool, CPULoadStoreSpec)
         start = time.perf_counter()
-        if len(device.block_ids) == 0:  # nothing to copy, no segment to map
-            self._results.append(TransferResult(job_id, True, 0, 0.0))
-            return True
-        generation = getattr(pool, "generation", UNSERVABLE)
-        segment = self._segment(job_id, generation, store=store)
-        if segment is None:
-            if not store:
-                self._load_error(job_id, device)
-            self._results.append(TransferResult(job_id, True, 0, time.perf_counter() - start))
-            return True
-        host_views = segment[1]
-        ids = torch.from_numpy(device.block_ids.astype("int64"))
-        slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
         nbytes = 0
-        try:
-            for dev, host in zip(self._device, host_views, strict=True):
-                dev_ids = ids.to(dev.device)  # a GPU's pages go through host memory
-                if store:
-                    host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids).cpu())
-                else:
-                    dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids).to(dev.device))
-                nbytes += len(dev_ids) * dev.shape[1]
-        except (RuntimeError, IndexError) as exc:  # ids out of range: never a wrong block
-            if store:
-                raise KvdError(f"kvd store job {job_id} failed to copy: {exc}") from exc
-            log.warning("kvd load job %d failed to copy, recomputed: %s", job_id, exc)
-            self._load_error(job_id, device)
+        try:  # the boundary: a load not served is recomputed, never an engine stopped
+            if getattr(src_spec, "generation", UNSERVABLE) == UNSERVABLE:
+                self._load_error(dst_spec)  # the manager could not pin it, and counted it
+            elif (why := self._late(src_spec)) is not None:
+                self._failures.note("load copy", f"job {job_id}: {why}", "recomputed")
+                self._load_error(dst_spec)
+            else:
+                nbytes = self._copy(dst_spec, src_spec, store=False)
+        except Exception as exc:
+            self._failures.note("load copy", f"job {job_id}: {exc}", "recomputed")
+            self._load_error(dst_spec)
             nbytes = 0
         self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
-    def _segment(
-        self, job_id: int, generation: int, *, store: bool
-    ) -> tuple[Mapping, list[torch.Tensor]] | None:
+    def _copy(self, device: GPULoadStoreSpec, pool: LoadStoreSpec, *, store: bool) -> int:
+        """Copies between device blocks and slots; raises what stops it (the
+        caller reports it). Returns the bytes copied."""
+        assert isinstance(pool, CPULoadStoreSpec)
+        if len(device.block_ids) == 0:  # nothing to copy, no segment to map
+            return 0
+        host_views = self._segment(getattr(pool, "generation", UNSERVABLE))[1]
+        ids = torch.from_numpy(device.block_ids.astype("int64"))
+        slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
+        nbytes = 0
+        for dev, host in zip(self._device, host_views, strict=True):
+            dev_ids = ids.to(dev.device)  # a GPU's pages go through host memory
+            if store:
+                host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids).cpu())
+            else:
+                dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids).to(dev.device))
+            nbytes += len(dev_ids) * dev.shape[1]
+        return nbytes
+
+    def _segment(self, generation: int) -> tuple[Mapping, list[torch.Tensor]]:
         """The mapped segment of `generation`, mapping it by name if need be;
-        None if it is gone (or the load was never pinned)."""
-        if generation == UNSERVABLE:
-            return None
+        raises KvdError if it is gone or cannot be mapped."""
         if generation not in self._segments:
             try:
                 self._map_by_name(generation)
-            except posix_ipc.ExistentialError:
-                log.warning(
-                    "kvd job %d: the pool's segment of generation %d is gone (its daemon "
-                    "ended): %s skipped",
-                    job_id,
-                    generation,
-                    "store" if store else "load",
-                )
-                return None
-            except (
-                posix_ipc.Error,
-                OSError,
-                ValueError,
-                KvdError,
-            ) as exc:  # ValueError: BadSegment
-                if store:  # its daemon is alive and would complete a store never written
-                    raise KvdError(
-                        f"kvd worker rank {self._rank} cannot map pool {self._pool!r} "
-                        f"(generation {generation}): {exc}"
-                    ) from exc
-                log.warning("kvd job %d: cannot map the pool's segment: %s", job_id, exc)
-                return None
+            except posix_ipc.ExistentialError as exc:
+                raise KvdError(
+                    f"the pool's segment of generation {generation} is gone (its daemon ended)"
+                ) from exc
+            except (posix_ipc.Error, OSError, ValueError, KvdError) as exc:  # BadSegment
+                raise KvdError(
+                    f"worker rank {self._rank} cannot map pool {self._pool!r} "
+                    f"(generation {generation}): {exc}"
+                ) from exc
         return self._segments[generation]
 
-    def _load_error(self, job_id: int, device: GPULoadStoreSpec) -> None:
-        if not self.reports_load_errors:
-            raise KvdError(
-                f"kvd job {job_id}: a load kvd cannot serve, and vLLM's OffloadingConnector "
-                "cannot recompute it; run kvd with kv_connector KvdOffloadingConnector "
-                "(README, Use with vLLM)"
-            )
+    def _load_error(self, device: GPULoadStoreSpec) -> None:
         self.load_errors.update(int(b) for b in device.block_ids)
+
+    def take_copies(self) -> dict[int, bool]:
+        """Store copies since the last call, by token: True if copied."""
+        copies, self._copies = self._copies, {}
+        return copies
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -251,6 +273,12 @@ class IdleWorker(OffloadingWorker):
         self._results: list[TransferResult] = []
         self.load_errors: set[int] = set()
         self.reports_load_errors = False
+
+    def note(self, notes: StepNotes | None) -> None:
+        return
+
+    def take_copies(self) -> dict[int, bool]:
+        return {}
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec

@@ -192,6 +192,7 @@ def scheduler_rows(args: argparse.Namespace, daemon: DaemonProcess) -> list[dict
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     from kvd_client.vllm import KvdOffloadingSpec
+    from kvd_client.vllm.manager import KvdOffloadingManager
     from kvd_tools.vllm_harness.offload_config import offloading_config
 
     k = args.keys_per_request
@@ -211,6 +212,8 @@ def scheduler_rows(args: argparse.Namespace, daemon: DaemonProcess) -> list[dict
             ctx = ReqContext("store")
             out = manager.prepare_store(stored, ctx)
             assert out is not None
+            if isinstance(manager, KvdOffloadingManager):  # what its workers would report
+                manager.on_copies({out.store_spec.token: (1, True)})
             manager.complete_store(stored, ctx)
 
         first: dict[str, list[float]] = {"kvd": [], "native": []}

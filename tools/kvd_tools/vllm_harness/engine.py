@@ -8,6 +8,7 @@ stderr: the driver sets `VLLM_LOGGING_STREAM`):
 
     {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
     {"reset_prefix_cache": true}                       -> {"ok": true}
+    {"reset_prefix_cache": true, "reset_connector": true}  -> {"ok": true} (the connector's too)
     {"metrics": true}      -> {"metrics": {name: value}}, vLLM's `vllm:kv_offload*` counters
 
 CONFIG_JSON keys: `model` (a directory), `kvd` (extra-config keys, or null for
@@ -125,7 +126,7 @@ def main(config: dict[str, Any]) -> None:
             _reply({"metrics": counters})
             continue
         if cmd.get("reset_prefix_cache"):
-            llm.reset_prefix_cache()
+            llm.reset_prefix_cache(reset_connector=bool(cmd.get("reset_connector")))
             _reply({"ok": True})
             continue
         params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)

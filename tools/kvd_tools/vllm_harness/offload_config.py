@@ -34,8 +34,9 @@ def offloading_config(
         ),
         worker_kv_bytes_per_block=bytes_per_block,
         enable_kv_cache_events=events,
+        # kvd_connector: what KvdOffloadingConnector sets (False: vLLM's plain connector)
         extra_config={"spec_name": "KvdOffloadingSpec", "spec_module_path": "kvd_client.vllm",
-                      **extra},
+                      "kvd_connector": True, **extra},
         engine_id="engine-0",
         model=OffloadingModelConfig(model, "bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
