@@ -32,6 +32,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -47,6 +48,9 @@ from kvd.io.event_wire import (
     parse_replay_request,
 )
 from kvd_client.types import OffloadingEvent
+
+if TYPE_CHECKING:
+    from kvd.config import Config
 
 log = logging.getLogger("kvd.io.events")
 
@@ -70,6 +74,18 @@ class EventPublisher:
     An endpoint of "" disables that socket. `ipc://` socket files are made
     0660 and given group `gid` when set.
     """
+
+    @classmethod
+    def from_config(
+        cls, ctx: zmq.Context[zmq.Socket[bytes]], cfg: Config, gid: int | None
+    ) -> EventPublisher:
+        """The publisher the daemon's `events_*` settings describe."""
+        return cls(
+            ctx, cfg.events_endpoint, cfg.replay_endpoint,
+            buffer_size=cfg.events_buffer, buffer_bytes=cfg.events_buffer_bytes,
+            topic_format=cfg.events_topic, gid=gid,
+            int_block_hashes=cfg.events_int_hashes, event_format=cfg.events_format,
+        )  # fmt: skip
 
     def __init__(
         self,

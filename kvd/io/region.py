@@ -92,6 +92,12 @@ class Manifest:
         with self._lock:
             self._write([n for n in self.names() if n != name])
 
+    @staticmethod
+    def pool_names(segments: Sequence[str]) -> list[str]:
+        """The pools whose segments these are (`/kvd.<pool>.<n>`; ready tables left out)."""
+        return [n[len("/kvd.") :].rpartition(".")[0] for n in segments
+                if n.startswith("/kvd.") and not n.endswith(".ready")]  # fmt: skip
+
     def unlink_stale(self, keep: Sequence[str] = ()) -> list[str]:
         """Unlinks every segment listed by an earlier run but those in `keep`;
         returns the names unlinked."""

@@ -40,6 +40,15 @@ from kvd.config import Config
 from kvd.control.pools import PoolRegistry
 from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
+from kvd.io.control_socket import (
+    EVENTS,
+    NOBLOCK,
+    POLLIN,
+    RCVMORE,
+    SNDMORE_NOBLOCK,
+    UNDECODABLE,
+    bind_control,
+)  # fmt: skip
 from kvd.io.event_pump import PUBLISH_KEYS_PER_TURN, EventPump
 from kvd.io.events import EventPublisher
 from kvd.io.metrics import Metrics
@@ -47,7 +56,7 @@ from kvd.io.notify import Notifier
 from kvd.io.region import Manifest, group_id
 from kvd.io.token import write_admin_token
 from kvd.version import __version__
-from kvd_client.protocol import MAX_FRAME_BYTES, Layout
+from kvd_client.protocol import Layout
 
 log = logging.getLogger("kvd.io.server")
 
@@ -56,14 +65,6 @@ log = logging.getLogger("kvd.io.server")
 # and yields the loop after about this long (a warm start's policy takes ~1 s).
 IDLE_S = 0.001
 IDLE_TURN_S = 0.010
-
-# Plain ints: an enum flag costs a Python-level `|` or conversion on every call.
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_RCVMORE = int(zmq.RCVMORE)
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_UNDECODABLE = b"\xc1"  # never-valid msgpack: a message not of two frames -> BAD_REQUEST
 
 
 class Server:
@@ -139,24 +140,13 @@ class Server:
         loop = asyncio.get_running_loop()  # from now on, new pools are built off the loop
         self.pools.builds.post = lambda done: loop.call_soon_threadsafe(self._remote_done, done)
         self._ctx = zmq.Context()
-        self.publisher = EventPublisher(
-            self._ctx,
-            cfg.events_endpoint,
-            cfg.replay_endpoint,
-            buffer_size=cfg.events_buffer,
-            buffer_bytes=cfg.events_buffer_bytes,
-            topic_format=cfg.events_topic,
-            gid=gid,
-            int_block_hashes=cfg.events_int_hashes,
-            event_format=cfg.events_format,
-        )
+        self.publisher = EventPublisher.from_config(self._ctx, cfg, gid)
         self._pump = EventPump(self.service, self.publisher)
         # A pool created now starts over, and so does one refused warm; an
         # adopted pool announces its blocks instead (its adoption's stored event).
         # So does each pool of an earlier run whose segment was unlinked as stale
         # (a cold start after a warm run or a crash): an indexer forgets its blocks.
-        gone = [n[len("/kvd.") :].rpartition(".")[0] for n in stale
-                if n.startswith("/kvd.") and not n.endswith(".ready")]  # fmt: skip
+        gone = Manifest.pool_names(stale)
         for name in dict.fromkeys([*refused, *gone, *(p.name for p in self.pools)]):
             if name and name not in adopted:
                 self.publisher.all_cleared(name)
@@ -165,23 +155,11 @@ class Server:
         if cfg.metrics_addr:
             port = self.metrics.start_http(cfg.metrics_addr)
             log.info("event=metrics_listening addr=%s port=%d", cfg.metrics_addr, port)
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        path = cfg.control_socket
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a socket file left by a killed daemon
-        sock.bind(f"ipc://{path}")
-        os.chmod(path, 0o660)
-        if gid is not None:
-            os.chown(path, -1, gid)
+        sock = bind_control(self._ctx, cfg.control_socket, gid)
         self._control = sock
         log.info(
             "event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
-            path,
+            cfg.control_socket,
             len(self.pools),
             __version__,
             cfg.lease_ms,
@@ -211,22 +189,22 @@ class Server:
         monotonic = time.monotonic
         for _ in range(10_000):  # bounded, so timers still get their turn
             try:
-                identity = recv(_NOBLOCK)
+                identity = recv(NOBLOCK)
             except zmq.Again:  # a wake-up with nothing queued
                 break
             # The frames of one message arrive together: none of these blocks.
-            frame = recv(_NOBLOCK) if get(_RCVMORE) else _UNDECODABLE
-            if get(_RCVMORE):
-                while get(_RCVMORE):
-                    recv(_NOBLOCK)
-                frame = _UNDECODABLE
+            frame = recv(NOBLOCK) if get(RCVMORE) else UNDECODABLE
+            if get(RCVMORE):
+                while get(RCVMORE):
+                    recv(NOBLOCK)
+                frame = UNDECODABLE
             now = monotonic()
             handle(identity, frame, now)
             sent = bool(outbox)
             if sent:
                 self._flush()
             seconds = monotonic() - now
-            if not get(_EVENTS) & _POLLIN:  # after the send, which can take the edge
+            if not get(EVENTS) & POLLIN:  # after the send, which can take the edge
                 if sent:
                     os.sched_yield()  # the I/O thread sends the replies first
                 observe(service.last_type.__name__, seconds)
@@ -290,8 +268,8 @@ class Server:
         send = sock.send
         for identity, frame in service.outbox:
             try:
-                send(identity, _SNDMORE_NOBLOCK)
-                send(frame, _NOBLOCK)
+                send(identity, SNDMORE_NOBLOCK)
+                send(frame, NOBLOCK)
             except zmq.ZMQError as exc:  # peer's queue full: it will time out and retry
                 log.warning("event=send_dropped reason=%s", exc)
         service.outbox.clear()

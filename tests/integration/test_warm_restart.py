@@ -190,6 +190,11 @@ class StoreLog:
         assert self.reported <= self.acked
 
 
+def ready_blocks(d: DaemonProcess) -> int:
+    info = pool_info(d, "torn")
+    return 0 if info is None else info.blocks_ready
+
+
 def stores_done(record: Path) -> int:
     """Store jobs an engine's record says the scheduler got ok."""
     try:
@@ -222,7 +227,9 @@ def test_sigkill_at_random_points_brings_back_exactly_the_ready_blocks(
             spawn.extend(engines)
             # Into the workload: once both engines have stored, at a random moment.
             deadline = time.monotonic() + 60
-            while min(stores_done(r) for r in records) < 5:
+            # And the pool (48 slots, stores of up to 16 keys in flight per engine)
+            # holds enough ready blocks that each kill has something to adopt.
+            while min(stores_done(r) for r in records) < 5 or ready_blocks(d) < 24:
                 assert time.monotonic() < deadline, "the engines never stored"
                 time.sleep(0.05)
             time.sleep(rng.uniform(0.0, 1.5))
