@@ -2,6 +2,10 @@
 
 Each engine runs in its own process group: vLLM's engine core and TP workers
 outlive their parent otherwise, so `stop()` ends the whole group.
+
+`EngineProcess.outputs` returns each prompt's greedy tokens with the top
+logprobs of each, and `differences` compares two engines' outputs: the same
+tokens, and each top logprob within `LOGPROB_TOLERANCE`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,83 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 START_S = 300.0  # an engine takes 30 to 60 s to start on a 2-core machine
+TOP_LOGPROBS = 5
+# How far one logprob may move when the same KV reaches vLLM by another path
+# (bf16 kernels on a prefix from a cache against a whole prompt's prefill).
+LOGPROB_TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Output:
+    """One prompt's greedy tokens, and per token the likeliest ids: (id, logprob) pairs."""
+
+    tokens: list[int]
+    logprobs: list[list[tuple[int, float]]]
+
+
+def differences(
+    got: list[Output],
+    want: list[Output],
+    tolerance: float = LOGPROB_TOLERANCE,
+    *,
+    ties: bool = False,
+) -> list[str]:
+    """Where `got` is not `want`: a token, or a top logprob further than `tolerance`
+    (an id in one top list only is fine where it ties the other's last within it).
+
+    With `ties`, greedy tokens may part where the two ids were within `tolerance`
+    of each other in `want` (a near-tie, which bf16 noise decides either way); the
+    positions after that are conditioned on other tokens and are not compared."""
+    found: list[str] = []
+    if len(got) != len(want):
+        return [f"{len(got)} outputs, not {len(want)}"]
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        compared = len(w.logprobs)
+        if g.tokens != w.tokens:
+            parted = zip(g.tokens, w.tokens, strict=False)
+            t = next((i for i, (a, b) in enumerate(parted) if a != b), len(w.tokens))
+            top = dict(w.logprobs[t]) if t < min(len(g.tokens), len(w.logprobs)) else {}
+            tie = g.tokens[t] in top and w.tokens[t] in top if top else False
+            if ties and tie and top[w.tokens[t]] - top[g.tokens[t]] <= tolerance:
+                compared = t + 1
+            else:
+                found.append(f"prompt {n}: tokens {g.tokens} != {w.tokens}")
+        for t, (gt, wt) in enumerate(
+            zip(g.logprobs[:compared], w.logprobs[:compared], strict=False)
+        ):
+            ours, theirs = dict(gt), dict(wt)
+            for a, b, name in ((ours, theirs, "got"), (theirs, ours, "want")):
+                for token, lp in a.items():
+                    if token in b:
+                        if abs(lp - b[token]) > tolerance:
+                            found.append(
+                                f"prompt {n} token {t}: id {token} logprob {ours[token]:.4f} "
+                                f"!= {theirs[token]:.4f}"
+                            )
+                    elif lp > min(b.values()) + tolerance:
+                        found.append(
+                            f"prompt {n} token {t}: id {token} ({lp:.4f}) in the top of {name} only"
+                        )
+        if len(g.logprobs) != len(w.logprobs):
+            found.append(f"prompt {n}: {len(g.logprobs)} logprobs, not {len(w.logprobs)}")
+    return sorted(set(found), key=found.index)
+
+
+def largest_difference(got: list[Output], want: list[Output]) -> float:
+    """The largest move of a logprob of an id in both top lists (inf for other tokens)."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g.tokens != w.tokens:
+            return float("inf")
+        for gt, wt in zip(g.logprobs, w.logprobs, strict=True):
+            theirs = dict(wt)
+            worst = max([worst, *(abs(lp - theirs[i]) for i, lp in gt if i in theirs)])
+    return worst
 
 
 class EngineProcess:
@@ -78,6 +155,21 @@ class EngineProcess:
         tokens: list[list[int]] = self.ask({"prompts": prompts, "max_tokens": max_tokens})["tokens"]
         return tokens
 
+    def outputs(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        logprobs: int = TOP_LOGPROBS,
+        timeout: float = 600,
+    ) -> list[Output]:
+        """Greedy tokens with the `logprobs` likeliest ids of each (`differences`)."""
+        cmd = {"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs}
+        reply = self.ask(cmd, timeout)
+        return [
+            Output(tokens, [[(int(i), float(lp)) for i, lp in top] for top in tops])
+            for tokens, tops in zip(reply["tokens"], reply["logprobs"], strict=True)
+        ]
+
     def timed(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
         """Tokens, and the seconds `LLM.generate` took inside the engine process."""
         reply = self.ask({"prompts": prompts, "max_tokens": max_tokens})
@@ -88,9 +180,24 @@ class EngineProcess:
         figures: dict[str, float] = self.ask({"metrics": True})["metrics"]
         return figures
 
-    def reset_prefix_cache(self) -> None:
-        if self.ask({"reset_prefix_cache": True}) != {"ok": True}:
+    def reset_prefix_cache(self, reset_connector: bool = False, timeout: float = 600) -> None:
+        """vLLM's `reset_prefix_cache`; with `reset_connector`, the connector's too."""
+        cmd = {"reset_prefix_cache": True, "reset_connector": reset_connector}
+        if self.ask(cmd, timeout) != {"ok": True}:
             raise RuntimeError("reset_prefix_cache was not acknowledged")
+
+    def abort(
+        self, prompts: list[list[int]], steps: int, max_tokens: int = 64, timeout: float = 600
+    ) -> int:
+        """Starts `prompts`, aborts those still running after `steps` engine steps;
+        returns how many were aborted."""
+        cmd = {"prompts": prompts, "abort": steps, "max_tokens": max_tokens}
+        aborted: int = self.ask(cmd, timeout)["aborted"]
+        return aborted
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def stop(self) -> None:
         """Stops the engine and every process vLLM started for it (its process group)."""

@@ -1,20 +1,34 @@
 """Runs in a vLLM engine process (tests, `kvd bench vllm`): one `vllm.LLM`, driven over stdin.
 
 `python -m kvd_tools.vllm_harness.engine CONFIG_JSON` builds `vllm.LLM` on a model
-directory holding only a `config.json` (dummy weights: no hub, no
-tokenizer), optionally with kvd's connector, then answers one JSON command
-per stdin line, on one stdout line that starts with `{` (vLLM's own logs go to
-stderr: the driver sets `VLLM_LOGGING_STREAM`):
+directory that `write_model` wrote (a `config.json`, and random weights of a
+realistic spread in `model.safetensors`: no hub, no tokenizer), optionally with
+kvd's connector, then answers one JSON command per stdin line, on one stdout
+line that starts with `{` (vLLM's own logs go to stderr: the driver sets
+`VLLM_LOGGING_STREAM`):
 
-    {"prompts": [[token ids], ...], "max_tokens": N}  -> {"tokens": [[...], ...], "seconds": s}
+    {"prompts": [[token ids], ...], "max_tokens": N, "logprobs": K}
+        -> {"tokens": [[...], ...], "seconds": s,
+            "logprobs": [[[[id, logprob], ...] a generated token] a prompt]}  (with K only)
     {"reset_prefix_cache": true}                       -> {"ok": true}
     {"reset_prefix_cache": true, "reset_connector": true}  -> {"ok": true} (the connector's too)
     {"metrics": true}      -> {"metrics": {name: value}}, vLLM's `vllm:kv_offload*` counters
+    {"prompts": [...], "abort": S, "max_tokens": N}  -> {"aborted": n}: the requests
+        added, S engine steps run, those still running aborted (`_abort`)
+
+Why weights: with vLLM's dummy weights (uniform in +-1e-3, norm gains too) the
+tokens hardly depend on the KV cache, so "the same tokens as without kvd"
+held even with every page kvd loaded zeroed. `write_model` draws linear
+layers at 1/sqrt(fan-in), norm gains at 1: the logprobs then move with the
+bytes of every page.
 
 CONFIG_JSON keys: `model` (a directory), `kvd` (extra-config keys, or null for
 no connector), and optional `tp`, `max_model_len`, `num_gpu_blocks`
-(vLLM's `num_gpu_blocks_override`), `dtype`. vLLM spawns processes of its
-own, so everything runs under `__main__`.
+(vLLM's `num_gpu_blocks_override`), `dtype`, `load_format` (default:
+"safetensors" where the directory holds weights, else "dummy"), and
+`corrupt_loads` (true: every page kvd loads is zeroed after its copy, see
+`corrupt_loads`; the check that a comparison can fail). vLLM spawns
+processes of its own, so everything runs under `__main__`.
 """
 
 from __future__ import annotations
@@ -72,10 +86,73 @@ TINY_DEEPSEEK: dict[str, Any] = {
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 
-def write_model(directory: Path, config: dict[str, Any] = TINY_LLAMA) -> str:
+WEIGHTS_FILE = "model.safetensors"
+
+
+def write_model(
+    directory: Path, config: dict[str, Any] = TINY_LLAMA, *, weights: bool = True, seed: int = 0
+) -> str:
+    """A model directory: `config.json`, and unless `weights` is false, weights drawn
+    from `seed` (`weight_shapes`) that vLLM loads as a checkpoint's."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
+    if weights:
+        write_weights(directory / WEIGHTS_FILE, config, seed)
     return str(directory)
+
+
+def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors of a dense Llama or DeepSeek-V2 (MLA, no q LoRA, no MoE
+    layer), by their Hugging Face names, as vLLM's loaders read them."""
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    ff = config["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        at = f"model.layers.{i}."
+        attn: dict[str, tuple[int, ...]]
+        if config["model_type"] == "llama":
+            heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+            d = config.get("head_dim", h // heads)
+            attn = {"q_proj": (heads * d, h), "k_proj": (kv_heads * d, h),
+                    "v_proj": (kv_heads * d, h), "o_proj": (h, heads * d)}  # fmt: skip
+        elif config["model_type"] == "deepseek_v2":
+            if config.get("q_lora_rank") is not None or config["first_k_dense_replace"] < layers:
+                raise ValueError("weight_shapes: a DeepSeek-V2 with q LoRA or MoE layers")
+            heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+            nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+            v = config["v_head_dim"]
+            attn = {"q_proj": (heads * (nope + rope), h),
+                    "kv_a_proj_with_mqa": (rank + rope, h), "kv_a_layernorm": (rank,),
+                    "kv_b_proj": (heads * (nope + v), rank), "o_proj": (h, heads * v)}  # fmt: skip
+        else:
+            raise ValueError(f"weight_shapes: no weights for model_type {config['model_type']!r}")
+        shapes.update({f"{at}self_attn.{n}.weight": s for n, s in attn.items()})
+        mlp = {"gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}
+        shapes.update({f"{at}mlp.{n}.weight": s for n, s in mlp.items()})
+        shapes[f"{at}input_layernorm.weight"] = (h,)
+        shapes[f"{at}post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def write_weights(path: Path, config: dict[str, Any], seed: int = 0) -> None:
+    """Seeded weights of a realistic spread: norm gains 1, embeddings N(0, 1), every
+    matrix N(0, 1/fan-in), so each layer's output is of the size of its input,
+    attention scores spread over about one unit and the logits over a few."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, config.get("torch_dtype", "bfloat16"))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in weight_shapes(config).items():
+        if len(shape) == 1:  # an RMSNorm's gain
+            tensors[name] = torch.ones(shape, dtype=dtype)
+            continue
+        std = 1.0 if name == "model.embed_tokens.weight" else shape[1] ** -0.5
+        tensors[name] = (torch.randn(shape, generator=generator) * std).to(dtype)
+    save_file(tensors, str(path))
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
@@ -98,9 +175,10 @@ def main(config: dict[str, Any]) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    weights = (Path(config["model"]) / WEIGHTS_FILE).exists()
     kwargs: dict[str, Any] = {
         "model": config["model"],
-        "load_format": "dummy",
+        "load_format": config.get("load_format") or ("safetensors" if weights else "dummy"),
         "skip_tokenizer_init": True,
         "gpu_memory_utilization": 0.1,
         "max_model_len": config.get("max_model_len", 4096),
@@ -115,7 +193,10 @@ def main(config: dict[str, Any]) -> None:
     if config.get("dtype") is not None:
         kwargs["dtype"] = config["dtype"]
     if config.get("kvd") is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(config["kvd"]))
+        transfer = kv_transfer_config(config["kvd"])
+        if config.get("corrupt_loads"):  # the same connector, its worker's loads zeroed
+            transfer["kv_connector_module_path"] = "kvd_tools.vllm_harness.corrupt_loads"
+        kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
     llm = LLM(**kwargs)
     _reply({"ready": True})
     for line in sys.stdin:
@@ -129,13 +210,48 @@ def main(config: dict[str, Any]) -> None:
             llm.reset_prefix_cache(reset_connector=bool(cmd.get("reset_connector")))
             _reply({"ok": True})
             continue
-        params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0)
+        if cmd.get("abort") is not None:
+            _reply({"aborted": _abort(llm, cmd, TokensPrompt, SamplingParams)})
+            continue
+        top = cmd.get("logprobs")
+        params = SamplingParams(max_tokens=cmd.get("max_tokens", 8), temperature=0.0, logprobs=top)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in cmd["prompts"]]
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        _reply({"tokens": tokens, "seconds": seconds})
+        answer: dict[str, Any] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "seconds": seconds,
+        }
+        if top is not None:
+            answer["logprobs"] = [[_top(position) for position in o.outputs[0].logprobs or []]
+                                  for o in outs]  # fmt: skip
+        _reply(answer)
+
+
+def _abort(llm: Any, cmd: dict[str, Any], prompt_type: Any, params_type: Any) -> int:
+    """Adds `prompts`, runs `abort` engine steps, aborts the requests still running,
+    then steps until the engine has nothing left; returns how many were aborted."""
+    engine = llm.llm_engine
+    params = params_type(max_tokens=cmd.get("max_tokens", 64), temperature=0.0)
+    ids = [f"abort-{time.monotonic_ns()}-{n}" for n in range(len(cmd["prompts"]))]
+    for request_id, tokens in zip(ids, cmd["prompts"], strict=True):
+        engine.add_request(request_id, prompt_type(prompt_token_ids=tokens), params)
+    finished: set[str] = set()
+    for _ in range(int(cmd["abort"])):
+        finished.update(o.request_id for o in engine.step() if o.finished)
+    running = [i for i in ids if i not in finished]
+    engine.abort_request(running)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(running)
+
+
+def _top(position: Any) -> list[tuple[int, float]]:
+    """One generated token's logprobs: [id, logprob] pairs, the likeliest first (the
+    top K, and the token chosen where it is not among them)."""
+    pairs = [(int(i), float(lp.logprob)) for i, lp in position.items()]
+    return sorted(pairs, key=lambda pair: -pair[1])
 
 
 def _reply(answer: dict[str, Any]) -> None:
