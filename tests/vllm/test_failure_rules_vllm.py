@@ -381,6 +381,82 @@ def test_new_weights_at_the_same_path_get_another_pool(tmp_path: Path) -> None:
     assert len(names) == 2
 
 
+def test_a_store_prepared_by_the_session_a_reconnect_opened_is_failed_not_left() -> None:
+    """The keeper's reconnect wins the race between the manager's read of its session
+    and its prepare_store: the new session answers it, the manager drops the output
+    (vLLM gets no store), and must fail it there, or the keys stay in flight while the
+    session lives and every engine's lookup of them answers RETRY (cold review)."""
+    with DaemonProcess() as d:
+        spec, manager, _, _ = plugin(d, kvd_ready_table=False)
+        scheduler = manager._scheduler
+        assert scheduler is not None
+        prepare = scheduler.prepare_store
+
+        def racing(keys: Any) -> Any:
+            epoch = scheduler.epoch
+            scheduler._conn._drop()  # what the keeper does after a heartbeat timed out
+            wait_for("the reconnect", lambda: scheduler.connected and scheduler.epoch > epoch)
+            return prepare(keys)
+
+        scheduler.prepare_store = racing  # type: ignore[method-assign]
+        assert manager.prepare_store([key(7)], ReqContext("r1")) is None
+        scheduler.prepare_store = prepare  # type: ignore[method-assign]
+        other = observer(d, spec)
+        try:
+            assert other.lookup([key(7)]) == 0  # failed: a miss, not "being stored"
+        finally:
+            other.close()
+            manager.shutdown()
+
+
+def test_a_lookup_answers_retry_for_two_leases_at_most() -> None:
+    """Another engine's store that never completes (its scheduler stuck, its session
+    kept alive by the keeper): RETRY for two leases, then a miss, counted."""
+    with DaemonProcess(lease_ms="600") as d:
+        spec, manager, _, _ = plugin(d)
+        stuck = observer(d, spec)
+        try:
+            out = stuck.prepare_store([key(3)])
+            assert out is not None and list(out.keys_to_store) == [key(3)]
+            ctx = ReqContext("waiting")
+            ctx._offload_key_positions = {key(3): 32}  # type: ignore[attr-defined]
+            t0 = time.monotonic()
+            answers = []
+            while not answers or answers[-1] == LookupResult.RETRY:
+                assert time.monotonic() - t0 < 10, "RETRY had no bound"
+                answers.append(manager.lookup(key(3), ctx))
+                manager.on_schedule_end(None)  # the next scheduler step
+                time.sleep(0.05)
+            waited = time.monotonic() - t0
+            assert answers[0] == LookupResult.RETRY and answers[-1] == LookupResult.MISS
+            assert 2 * 0.6 <= waited < 2 * 0.6 + 1.0, waited
+            assert manager._counters._counts.get("retries_given_up") == 1
+        finally:
+            stuck.close()
+            manager.shutdown()
+
+
+def test_two_commits_of_a_hub_model_at_main_get_two_pools() -> None:
+    """vLLM keeps a hub id's revision as huggingface_hub's ResolvedRevision, whose text
+    is the revision asked ("main") and whose `resolved` is the commit: two commits
+    of one branch are other weights, so other pools (they shared one before)."""
+    from types import SimpleNamespace
+
+    from huggingface_hub._revision import ResolvedRevision
+
+    from kvd_client.vllm.connector import weights_fingerprint
+
+    def fingerprint(commit: str) -> str:
+        model = SimpleNamespace(revision=ResolvedRevision(commit), quantization=None,
+                                hf_overrides={}, model="org/model", seed=0)  # fmt: skip
+        load = SimpleNamespace(load_format="auto")
+        return weights_fingerprint(SimpleNamespace(model_config=model, load_config=load))
+
+    assert str(ResolvedRevision("a" * 40)) == "main"
+    assert fingerprint("a" * 40) == fingerprint("a" * 40)
+    assert fingerprint("a" * 40) != fingerprint("b" * 40)
+
+
 # -- a real engine: vLLM's reset_prefix_cache(reset_connector=True) ----------------------
 
 PREFIX = [(i * 37) % 1000 + 3 for i in range(256)]

@@ -94,7 +94,9 @@ def weights_fingerprint(vllm_config: Any) -> str:
     model, load = vllm_config.model_config, vllm_config.load_config
     overrides = model.hf_overrides  # a dict, or a function: named, never by address
     parts = [
-        str(model.revision),
+        # vLLM keeps the asked revision ("main") in a str subclass whose `resolved`
+        # holds the commit it resolved to: the commit names the weights.
+        str(getattr(model.revision, "resolved", None) or model.revision),
         str(model.quantization),
         json.dumps(overrides, sort_keys=True, default=str)
         if isinstance(overrides, dict)

@@ -150,6 +150,8 @@ class _Request:
     # From the ready table: the leading hits (keys[:hits]); None otherwise, or
     # while a key is being stored (hits None).
     hit_keys: frozenset[bytes] | None = None
+    # Monotonic time of the first of the lookups in a row that answered RETRY.
+    retry_since: float | None = None
 
 
 class KvdOffloadingManager(OffloadingManager):
@@ -196,13 +198,32 @@ class KvdOffloadingManager(OffloadingManager):
         if state is None or (state.step != self._step and self._stale(state, key, req_context)):
             state = self._look_up(req_context, state, key)  # once per request and step at most
         if state.hits is None:
-            return LookupResult.RETRY
+            return self._retry(state, req_context)
         if state.hit_keys is not None:  # from the ready table
             return LookupResult.HIT if key in state.hit_keys else LookupResult.MISS
         if state.from_table:  # hits None: answered RETRY above
             return LookupResult.MISS
         pin = state.pinned.get(key)
         return LookupResult.HIT if pin is not None and self._valid(pin) else LookupResult.MISS
+
+    def _retry(self, state: _Request, ctx: ReqContext) -> LookupResult:
+        """RETRY while a key is being stored or fetched, for two leases at most: a
+        store whose owner is stuck (its session still alive) or leaked would hold
+        the request forever, and vLLM has no timeout on RETRY. Then MISS: vLLM
+        recomputes, and its own store of those keys skips them."""
+        now = time.monotonic()
+        if state.retry_since is None:
+            state.retry_since = now
+        bound = 2 * self._scheduler.lease_s if self._scheduler is not None else 0.0
+        if now - state.retry_since <= bound:
+            return LookupResult.RETRY
+        if state.hits is None:  # once per request and episode
+            self._counters.add("retries_given_up")
+            self._failures.note(
+                "lookup", f"request {ctx.req_id} waited {bound:.1f} s", "recomputed"
+            )
+        state.hits, state.hit_keys = 0, frozenset()
+        return LookupResult.MISS
 
     def _stale(self, state: _Request, key: bytes, ctx: ReqContext) -> bool:
         """Whether a new step should look the request up again."""
@@ -249,6 +270,8 @@ class KvdOffloadingManager(OffloadingManager):
         else:
             keys = [first]
         state = _Request(keys, len(ordered), self._step)
+        if old is not None and old.hits is None:  # still waiting on the same stores
+            state.retry_since = old.retry_since
         self._requests[ctx.req_id] = state
         self._counters.add("lookup_keys", len(keys))
         if self._scheduler.table is not None:  # no round trip: pinned at prepare_load
@@ -276,7 +299,10 @@ class KvdOffloadingManager(OffloadingManager):
                 log.warning("kvd daemon did not pin the hits it found (older than the client?)")
                 self._warned_no_pin = True
             if spec.slots:
-                self._scheduler.complete_load(keys[: len(spec.slots)])
+                try:
+                    self._scheduler.complete_load(keys[: len(spec.slots)])
+                except Exception as exc:  # the boundary: the daemon rolls them back
+                    self._failures.note("complete_load", exc, "pins left to the daemon")
             state.hits = 0
             return state
         if hits:
@@ -391,7 +417,14 @@ class KvdOffloadingManager(OffloadingManager):
             self._events.append(OffloadingEvent(list(out.evicted_keys), Medium.CPU, removed=True))
         epoch, deadline = self._alive_until(scheduler)
         if session is None or self._session() != session or epoch != session:
-            # A reconnect raced the call: what it prepared went with the old session.
+            # A reconnect raced the call. What the old session prepared went with it;
+            # what the new one answered lives on and would stay in flight (no
+            # completion comes): it is failed here.
+            if out.keys_to_store and epoch == self._session():
+                try:
+                    scheduler.complete_store(list(out.keys_to_store), False)
+                except Exception as exc:  # the boundary; the session's end rolls it back
+                    self._failures.note("complete_store", exc, "left to the daemon")
             self._counters.add("stores_skipped")
             return None
         token = 0

@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "unservable_loads": "Loads kvd could no longer serve, handed to vLLM to recompute.",
     "stores_failed": "Stores completed as failed (a copy failed, refused past its deadline or "
     "cancelled): never ready.",
+    "retries_given_up": "Requests kvd answered 'retry' (a key being stored or fetched) for "
+    "longer than two leases: answered as misses, recomputed.",
     "stale_completions": "Store completions of an earlier session (a reconnect, a restart, a "
     "rolled-back lease): they completed nothing.",
 }
