@@ -315,7 +315,9 @@ class PoolRegistry:
                 # Until then, the slots its store jobs may write stay held and the
                 # blocks its load jobs may read stay pinned; every other slot
                 # serves stores at once.
-                hold_s = 2 * self.config.job_timeout_ms / 1000
+                # A vLLM worker may start a copy of the dead daemon's slots up to a
+                # lease after its last answer (SPEC 12): two leases cover that too.
+                hold_s = 2 * max(self.config.job_timeout_ms, self.config.lease_ms) / 1000
                 pool.held_until = time.monotonic() + hold_s
                 pinned_keys = [k for k in map(index.key_at, pinned) if k is not None]
                 pool.owned.hold_pins(DEAD_RUN, pinned_keys, pool.held_until)

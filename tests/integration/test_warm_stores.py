@@ -138,3 +138,24 @@ def test_a_block_a_load_job_of_the_dead_daemon_reads_is_not_evicted_until_the_ho
         s.touch([key(3)])
         newer = s.store([key(4)], [3])
         assert newer is not None and newer.evicted_keys == [key(1)]
+
+
+def test_the_hold_covers_two_leases_where_a_lease_is_longer_than_a_job_timeout() -> None:
+    """A vLLM worker may start a copy of the dead daemon's slots up to a lease after
+    its last answer (SPEC 12): with a lease longer than a job timeout, the warm
+    start holds them two leases, not two job timeouts (cold review)."""
+    d = DaemonProcess(lease_ms="4000", job_timeout_ms="1000").start()
+    cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
+    try:
+        with (
+            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
+                      capacity_bytes=2 * LAYOUT.slot_bytes) as s,
+            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
+        ):  # fmt: skip
+            cache[0] = block_content(1, ELEMS)
+            _store(s, w, key(1), 0)
+            kill_and_restart(d, s, w)
+            adopted = [line for line in d.log().splitlines() if "event=pool_adopted" in line]
+            assert adopted and "held_s=8.0" in adopted[-1], adopted
+    finally:
+        d.stop()
