@@ -65,7 +65,6 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvd_client.errors import KvdError
 from kvd_client.scheduler import Scheduler
 from kvd_client.vllm.boundary import FailureLog
 from kvd_client.vllm.metrics import KvdCounters
@@ -286,7 +285,7 @@ class KvdOffloadingManager(OffloadingManager):
         self._counters.add("lookup_rpcs")
         try:
             hits, spec = self._scheduler.lookup_and_pin(keys)  # one round trip
-        except KvdError as exc:  # the pin cap, a reset, the daemon refusing
+        except Exception as exc:  # the boundary: the pin cap, a reset, the daemon refusing
             log.info("kvd lookup of request %s answered as a miss: %s", ctx.req_id, exc)
             self._counters.add("daemon_errors")
             state.failed = True
@@ -346,7 +345,7 @@ class KvdOffloadingManager(OffloadingManager):
             return False
         try:
             spec = self._scheduler.prepare_load(keys)
-        except KvdError as exc:
+        except Exception as exc:  # the boundary: a refusal, a reset, the daemon down
             log.info("kvd cannot serve a load vLLM asked for, recomputed: %s", exc)
             self._counters.add("daemon_errors")
             return False
@@ -391,7 +390,7 @@ class KvdOffloadingManager(OffloadingManager):
             return
         try:
             self._scheduler.complete_load(mine)
-        except KvdError as exc:  # a reset or a reconnect took the pins already
+        except Exception as exc:  # the boundary: a reset or a reconnect took the pins already
             log.debug("kvd complete_load skipped: %s", exc)
 
     # -- stores ------------------------------------------------------------------

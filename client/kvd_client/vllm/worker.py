@@ -112,7 +112,13 @@ class KvdOffloadingWorker(OffloadingWorker):
         reply = conn.call(p.Attach, self._pool, self._layout, self._capacity)
         assert isinstance(reply, p.Attached)
         if reply.generation not in self._segments:
-            self._map(reply)
+            try:
+                self._map(reply)
+            except (posix_ipc.Error, OSError, ValueError) as exc:  # BadSegment too
+                # A KvdError: the keeper and the start log it and go on.
+                raise KvdError(
+                    f"worker rank {self._rank} cannot map pool {self._pool!r}: {exc}"
+                ) from exc
 
     def _map_by_name(self, generation: int) -> None:
         """Maps the pool's segment of `generation` by its name, without the daemon: the
