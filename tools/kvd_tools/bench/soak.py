@@ -9,6 +9,12 @@ how often the clients and the daemon's log saw each fault's path (jobs
 rebound to a reconnected session, jobs refused unstarted, leaves during a
 job, store timeouts, lease expirations). See `kvd_tools.soak` for what runs.
 
+`--vllm` runs the soak on real vLLM instead (`kvd_tools.vllm_harness.soak`):
+two engines on one small pool, every answer checked against vLLM without a
+connector; its row has the same first fields (`ops` = requests), then
+`max_request_s`, `request_bound_s`, `loaded_blocks`, `vllm_loaded_bytes`, `engine_restarts`,
+`drained` and `faults_by_kind`.
+
 This module imports nothing heavy at import time: the registry may import
 `add_arguments` from here.
 """
@@ -48,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long traffic and faults run, at least 10 (default: 60; a soak: 600)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="two real vLLM engines on one small pool under faults, every answer checked "
+        "against vLLM without a connector (kvd_tools.vllm_harness.soak)",
+    )
 
 
 def passed(rows: list[dict[str, Any]]) -> bool:
@@ -61,6 +73,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     if args.seconds < MIN_SECONDS:
         raise SuiteError(f"a soak needs at least {MIN_SECONDS} seconds, got {args.seconds:g}")
+    if getattr(args, "vllm", False):
+        from kvd_tools.vllm_harness.soak import VllmSoakConfig, run_vllm_soak
+
+        return [run_vllm_soak(VllmSoakConfig(seconds=args.seconds, seed=args.seed)).row()]
     defaults = SoakConfig()
     restart_at = max(defaults.restart_at, RESTART_AFTER_S / args.seconds)
     warmup = max(defaults.warmup, restart_at + WARMUP_AFTER_RESTART_S / args.seconds)
@@ -91,6 +107,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
     row = rows[0]
+    if "request_bound_s" in row:  # --vllm
+        verdict = "PASS" if row["violations"] == 0 else "FAIL"
+        lines = [
+            f"{row['requests']} requests on two vLLM engines, {row['faults']} faults "
+            f"({row['faults_by_kind']}), {row['violations']} violations ({verdict}).",
+            f"Longest batch {row['max_request_s']} s (bound {row['request_bound_s']} s: "
+            f"{row['slowest']}); "
+            f"{row['loaded_blocks']} blocks loaded from kvd ({row['vllm_loaded_bytes']} bytes by "
+            f"vLLM's count), {row['engine_restarts']} engine "
+            f"restarts; remote tier {'on' if row['remote_tier'] else 'off'}; drained at the "
+            f"end: {row['drained']}.",
+        ]
+        if row.get("findings"):
+            lines.append(f"First findings: {row['findings']}")
+        return lines
     grew = row["rss_end_mb"] - row["rss_start_mb"]
     lines = [
         f"{row['ops']} operations, {row['faults']} faults ({row['faults_by_kind']}), "
