@@ -53,10 +53,12 @@ def _load_equals(s: Scheduler, w: Worker, cache: torch.Tensor, k: bytes, content
 
 
 @contextlib.contextmanager
-def two_block_pool() -> Iterator[tuple[DaemonProcess, Scheduler, Worker, torch.Tensor]]:
+def two_block_pool(
+    lease_ms: int = 3000, job_timeout_ms: int = JOB_TIMEOUT_MS
+) -> Iterator[tuple[DaemonProcess, Scheduler, Worker, torch.Tensor]]:
     """A daemon, a pool of 2 blocks, a scheduler and a worker whose device blocks
     0 to 3 hold contents 1 to 4, and key 1 stored from block 0."""
-    d = DaemonProcess(lease_ms="3000", job_timeout_ms=str(JOB_TIMEOUT_MS)).start()
+    d = DaemonProcess(lease_ms=str(lease_ms), job_timeout_ms=str(job_timeout_ms)).start()
     cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
     try:
         with (
@@ -144,18 +146,7 @@ def test_the_hold_covers_two_leases_where_a_lease_is_longer_than_a_job_timeout()
     """A vLLM worker may start a copy of the dead daemon's slots up to a lease after
     its last answer (SPEC 12): with a lease longer than a job timeout, the warm
     start holds them two leases, not two job timeouts (cold review)."""
-    d = DaemonProcess(lease_ms="4000", job_timeout_ms="1000").start()
-    cache = contiguous_cache(8, LAYOUT.slot_bytes, "int64")
-    try:
-        with (
-            Scheduler("p", LAYOUT, engine_id="e", endpoint=d.endpoint,
-                      capacity_bytes=2 * LAYOUT.slot_bytes) as s,
-            Worker(0, 1, cache, pool="p", layout=LAYOUT, engine_id="e", endpoint=d.endpoint) as w,
-        ):  # fmt: skip
-            cache[0] = block_content(1, ELEMS)
-            _store(s, w, key(1), 0)
-            kill_and_restart(d, s, w)
-            adopted = [line for line in d.log().splitlines() if "event=pool_adopted" in line]
-            assert adopted and "held_s=8.0" in adopted[-1], adopted
-    finally:
-        d.stop()
+    with two_block_pool(lease_ms=4000, job_timeout_ms=1000) as (d, s, w, _):
+        kill_and_restart(d, s, w)
+        adopted = [line for line in d.log().splitlines() if "event=pool_adopted" in line]
+        assert adopted and "held_s=8.0" in adopted[-1], adopted
