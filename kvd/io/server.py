@@ -40,15 +40,7 @@ from kvd.config import Config
 from kvd.control.pools import PoolRegistry
 from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
-from kvd.io.control_socket import (
-    EVENTS,
-    NOBLOCK,
-    POLLIN,
-    RCVMORE,
-    SNDMORE_NOBLOCK,
-    UNDECODABLE,
-    bind_control,
-)  # fmt: skip
+from kvd.io import control_socket as wire
 from kvd.io.event_pump import PUBLISH_KEYS_PER_TURN, EventPump
 from kvd.io.events import EventPublisher
 from kvd.io.metrics import Metrics
@@ -155,7 +147,7 @@ class Server:
         if cfg.metrics_addr:
             port = self.metrics.start_http(cfg.metrics_addr)
             log.info("event=metrics_listening addr=%s port=%d", cfg.metrics_addr, port)
-        sock = bind_control(self._ctx, cfg.control_socket, gid)
+        sock = wire.bind_control(self._ctx, cfg.control_socket, gid)
         self._control = sock
         log.info(
             "event=listening control=ipc://%s pools=%d version=%s lease_ms=%d",
@@ -187,24 +179,25 @@ class Server:
         recv, handle = sock.recv, service.handle
         get = cast("Callable[[int], int]", sock.get)  # ints for the options asked here
         monotonic = time.monotonic
+        noblock, rcvmore, undecodable = wire.NOBLOCK, wire.RCVMORE, wire.UNDECODABLE
         for _ in range(10_000):  # bounded, so timers still get their turn
             try:
-                identity = recv(NOBLOCK)
+                identity = recv(noblock)
             except zmq.Again:  # a wake-up with nothing queued
                 break
             # The frames of one message arrive together: none of these blocks.
-            frame = recv(NOBLOCK) if get(RCVMORE) else UNDECODABLE
-            if get(RCVMORE):
-                while get(RCVMORE):
-                    recv(NOBLOCK)
-                frame = UNDECODABLE
+            frame = recv(noblock) if get(rcvmore) else undecodable
+            if get(rcvmore):
+                while get(rcvmore):
+                    recv(noblock)
+                frame = undecodable
             now = monotonic()
             handle(identity, frame, now)
             sent = bool(outbox)
             if sent:
                 self._flush()
             seconds = monotonic() - now
-            if not get(EVENTS) & POLLIN:  # after the send, which can take the edge
+            if not get(wire.EVENTS) & wire.POLLIN:  # after the send, which can take the edge
                 if sent:
                     os.sched_yield()  # the I/O thread sends the replies first
                 observe(service.last_type.__name__, seconds)
@@ -265,11 +258,11 @@ class Server:
     def _flush(self) -> None:
         sock, service = self._control, self.service
         assert sock is not None and service is not None
-        send = sock.send
+        send, more, last = sock.send, wire.SNDMORE_NOBLOCK, wire.NOBLOCK
         for identity, frame in service.outbox:
             try:
-                send(identity, SNDMORE_NOBLOCK)
-                send(frame, NOBLOCK)
+                send(identity, more)
+                send(frame, last)
             except zmq.ZMQError as exc:  # peer's queue full: it will time out and retry
                 log.warning("event=send_dropped reason=%s", exc)
         service.outbox.clear()
