@@ -60,8 +60,28 @@ def valid_pool_name(name: str) -> bool:
 Name = Annotated[str, msgspec.Meta(max_length=MAX_LAYOUT_CHARS)]
 
 
+MAX_GROUPS = 64  # KV cache groups a layout may name
+
+
+class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One KV cache group of an engine, as vLLM names it (SPEC sections 8 and 12).
+
+    `kind` is vLLM's `KVCacheSpecKind` value ("full_attention",
+    "sliding_window", "mamba", ...), `block_tokens` the group's tokens per
+    block, `sliding_window` the window of a sliding-window group."""
+
+    kind: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    block_tokens: Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
+    sliding_window: Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)] | None = None
+
+
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The geometry and identity an engine attaches to a pool with (SPEC section 3)."""
+    """The geometry and identity an engine attaches to a pool with (SPEC section 3).
+
+    `groups` names the engine's KV cache groups in vLLM's order (a group's
+    index is its `group_idx`); empty for an engine that names none (a
+    one-group engine of an older client, the tools), whose events carry no
+    kind."""
 
     model: Name
     dtype: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
@@ -70,6 +90,7 @@ class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     replicated: bool
     slot_bytes: Annotated[int, msgspec.Meta(le=1 << 40)]
     extra: Name = ""
+    groups: Annotated[tuple[Group, ...], msgspec.Meta(max_length=MAX_GROUPS)] = ()
 
 
 class _Msg(msgspec.Struct, frozen=True, tag=True, array_like=True):

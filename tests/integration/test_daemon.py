@@ -88,6 +88,22 @@ def test_layout_mismatch_reuse_and_drop(daemon: DaemonProcess) -> None:
     assert not os.path.exists("/dev/shm" + shm)
 
 
+def test_engines_of_other_kv_cache_groups_never_share_a_pool(daemon: DaemonProcess) -> None:
+    sliding = p.Group("sliding_window", 16, sliding_window=128)
+    full = p.Group("full_attention", 16)
+    hybrid = Layout(*MHA_ARGS, groups=(sliding, full))
+    with Scheduler("hybrid", hybrid, engine_id="a", endpoint=daemon.endpoint) as a:
+        assert a.attached is not None
+        for groups in [(), (full,), (full, sliding), (p.Group("sliding_window", 16, 64), full)]:
+            with pytest.raises(KvdError) as err:
+                Scheduler("hybrid", Layout(*MHA_ARGS, groups=groups), engine_id="b",
+                          endpoint=daemon.endpoint)  # fmt: skip
+            assert err.value.code == ErrorCode.LAYOUT_MISMATCH
+        with Scheduler("hybrid", Layout(*MHA_ARGS, groups=(sliding, full)), engine_id="c",
+                       endpoint=daemon.endpoint) as c:  # fmt: skip
+            assert c.attached is not None and c.attached.shm_name == a.attached.shm_name
+
+
 def test_two_scheduler_processes_share_a_pool(daemon: DaemonProcess, spawn: list) -> None:
     code = f"""
 from kvd_client import Layout, Scheduler
