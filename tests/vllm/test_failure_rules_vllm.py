@@ -207,6 +207,59 @@ def test_a_reset_fails_the_stores_in_flight_and_releases_the_pins_at_once(
         worker.shutdown()
 
 
+def test_vllm_033s_expedited_load_is_done_on_return_or_reported() -> None:
+    """vLLM 0.33 submits a sync load with `expedited=True`, then `wait`s on it, and
+    the request runs in the same step: its bytes are in place when `submit_load`
+    returns, and a load kvd cannot serve is in `load_errors` for vLLM to recompute."""
+    with DaemonProcess() as d:
+        _s, manager, worker, tensor = plugin(d, kvd_ready_table=False)
+        k = key(1)
+        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        tensor[2] = 5
+        store(manager, worker, 1, [2], out.store_spec)
+        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        ctx = registered(ReqContext("r"), [k])
+        assert manager.lookup(k, ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        load = manager.prepare_load([k], ctx)  # type: ignore[list-item]
+        assert worker.submit_load(2, load, device([8]), expedited=True)
+        assert tensor[8].eq(5).all()  # before wait()
+        worker.wait({2})
+        assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
+        assert worker.take_load_errors() == set()
+        gone = KvdLoadStoreSpec([0], UNSERVABLE)
+        assert worker.submit_load(3, gone, device([9]), expedited=True)
+        worker.wait({3})
+        assert worker.take_load_errors() == {9}
+        manager.shutdown()
+        worker.shutdown()
+
+
+def test_vllm_033s_on_reset_flushed_fails_the_orphaned_stores_at_once() -> None:
+    """vLLM 0.33 calls `on_reset_flushed` once every worker reported every job in
+    flight at the reset: a store no worker reported (here: never sent to one) then
+    fails at once, not a lease and a copy's margin later."""
+    with DaemonProcess() as d:
+        s, manager, worker, _tensor = plugin(d, kvd_ready_table=False)
+        flying = key(2)
+        job = manager.prepare_store([flying], ReqContext("w"))  # type: ignore[list-item]
+        assert job is not None and job.keys_to_store == [flying]
+        other = observer(d, s)
+        try:
+            manager.reset_cache()
+            assert manager.has_pending_work()  # its deadline has not passed
+            assert other.lookup([flying]) is None  # still being stored
+            start = time.monotonic()
+            manager.on_reset_flushed()
+            assert other.lookup([flying]) == 0  # failed: its slot is free, nobody waits
+            assert not manager.has_pending_work()
+            assert time.monotonic() - start < d.lease_s
+        finally:
+            other.close()
+        manager.shutdown()
+        worker.shutdown()
+
+
 # -- 3. long prompts: bounded requests, no exception ---------------------------------
 
 

@@ -559,22 +559,41 @@ class KvdOffloadingManager(OffloadingManager):
             self._draining, self._scheduler = self._scheduler, None
         self._settle()
 
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every worker has reported every job in flight at the last
+        `reset_cache`, so no worker copies an orphaned store any more: they fail now,
+        not at their deadline (vLLM 0.32, which never calls this, waits for that)."""
+        self._settle(flushed=True)
+
+    # vLLM 0.33's other manager hooks keep their defaults. `lock` (a no-op): only
+    # vLLM's scheduler thread enters this manager; the kvd `Scheduler`'s own thread
+    # shares nothing with it but what the `Scheduler` locks itself. `config_info`
+    # (no labels): the facts it would carry, the pool's size and slots, are the
+    # daemon's, set by whichever engine created the pool and renewed by a cold
+    # restart, not fixed for this process as the info metric requires; the daemon
+    # exports them (`kvd_pool_capacity_bytes`, `kvd_pool_capacity_blocks`).
+
     def _release_pins(self) -> None:
         for state in self._requests.values():
             self._unpin(state, list(state.pinned))
         self._requests.clear()
 
-    def _settle(self) -> None:
+    def _settle(self, flushed: bool = False) -> None:
         """Fails the orphaned stores that no worker can copy any more (every writer
-        reported, or past the last deadline a worker was told and a copy's margin),
-        then closes the session of an engine whose offloading went off."""
+        reported, or past the last deadline a worker was told and a copy's margin,
+        or all of them once vLLM says the workers `flushed` the reset's jobs), then
+        closes the session of an engine whose offloading went off."""
         scheduler = self._scheduler or self._draining
         connected = scheduler is not None and scheduler.connected
         current = scheduler.epoch if scheduler is not None and connected else None
         now = time.monotonic()
         for token, store in list(self._orphans.items()):
             copying = store.session == current and store.reports < store.writers
-            if copying and now < max(store.deadline, self._alive_at_reset) + COPY_MARGIN_S:
+            if (
+                copying
+                and not flushed
+                and now < max(store.deadline, self._alive_at_reset) + COPY_MARGIN_S
+            ):
                 continue  # a worker may still copy it
             del self._orphans[token]
             if store.session != current or scheduler is None:

@@ -190,7 +190,19 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """vLLM 0.33 passes `expedited=True` for a sync load (`sync_load_budget_bytes`):
+        its request runs this very step, and vLLM calls `wait()` on it at once. The
+        copy is done when this returns, expedited or not, so `wait()` has nothing to
+        wait for; a sync load not served goes to `load_errors` like any other, and
+        vLLM 0.33 recomputes it (one KV cache group: `invalid_block_ids` of a running
+        request). An asynchronous worker must not queue it behind regular loads."""
         start = time.perf_counter()
         nbytes = 0
         try:  # the boundary: a load not served is recomputed, never an engine stopped
@@ -292,7 +304,13 @@ class IdleWorker(OffloadingWorker):
         self._results.append(TransferResult(job_id, True, 0, 0.0))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
         self.load_errors.update(int(b) for b in dst_spec.block_ids)
         self._results.append(TransferResult(job_id, True, 0, 0.0))
         return True

@@ -25,8 +25,10 @@ log = logging.getLogger("kvd_tools.vllm_harness")
 _submit_load = KvdOffloadingWorker.submit_load
 
 
-def _zeroed_load(self: KvdOffloadingWorker, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-    done = _submit_load(self, job_id, src_spec, dst_spec)
+def _zeroed_load(
+    self: KvdOffloadingWorker, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+) -> bool:
+    done = _submit_load(self, job_id, src_spec, dst_spec, expedited)
     ids = torch.from_numpy(dst_spec.block_ids.astype("int64"))
     if len(ids):
         log.warning("kvd test harness: load job %d: %d pages zeroed", job_id, len(ids))
