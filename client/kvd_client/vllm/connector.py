@@ -135,6 +135,12 @@ class KvdWorkerMetadata(OffloadingWorkerMetadata):
 
 
 class KvdOffloadingConnector(OffloadingConnector):
+    # vLLM 0.33's sleep-mode hooks keep the defaults, as in vLLM's own connector:
+    # `supports_sleep_mode` True, `unregister_kv_caches` / `restore_kv_caches` no-ops.
+    # Sleep mode drains transfers first and brings the KV cache back at the same
+    # addresses, so the worker's views of it stay valid; kvd registers no device
+    # memory with anything that would have to let go of it (NIXL, Mooncake do).
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra.setdefault("kvd_weights", weights_fingerprint(vllm_config))
@@ -144,6 +150,16 @@ class KvdOffloadingConnector(OffloadingConnector):
             extra["kvd_refuse"] = (
                 f"{groups} KV cache groups in the engine (vLLM takes failed loads "
                 "block by block only from engines with one)"
+            )
+        if groups > 1 and int(extra.get("sync_load_budget_bytes") or 0) > 0:
+            # vLLM 0.33's sync loads run their request in the step of the load; vLLM
+            # takes such a load's failure block by block only (invalid_block_ids), which
+            # it refuses from engines of several groups, and failed_recving covers only
+            # loads it waits for: a failed one would be computed on as if loaded.
+            extra.setdefault(
+                "kvd_refuse",
+                f"sync_load_budget_bytes > 0 in an engine of {groups} KV cache groups "
+                "(vLLM 0.33 cannot be told that such a load failed); set it to 0",
             )
         super().__init__(vllm_config, role, kv_cache_config)
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
