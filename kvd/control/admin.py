@@ -26,8 +26,11 @@ from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
 
 log = logging.getLogger("kvd.control.admin")
-# (pool, events) for the publisher; events None = all blocks cleared.
-EventOutbox = list[tuple[str, list[OffloadingEvent] | None]]
+# (pool, events, the pool's layout's groups) for the publisher; events None =
+# all blocks cleared. The groups go with the events, taken when they were: a
+# pool dropped and made again under its name before they went out may name
+# other groups.
+EventOutbox = list[tuple[str, list[OffloadingEvent] | None, tuple[p.Group, ...]]]
 
 
 class PoolAdmin:
@@ -66,7 +69,7 @@ class PoolAdmin:
 
         def first(error: KvdError | None) -> None:
             if error is None:  # consumers start this pool's topic from a clean slate
-                self.event_outbox.append((planned.name, None))
+                self.event_outbox.append((planned.name, None, ()))
             answer(error)
 
         builds.start(planned, first)
@@ -78,7 +81,7 @@ class PoolAdmin:
         created = self.pools.find(req.pool) is None
         pool = self.pools.attach(req.pool, req.layout, req.capacity_bytes)
         if created:  # consumers start this pool's topic from a clean slate
-            self.event_outbox.append((pool.name, None))
+            self.event_outbox.append((pool.name, None, ()))
         if (s.pool, s.generation) != (pool.name, pool.generation):
             pool.sessions += 1  # first attach, or again after the pool was re-created
         s.pool, s.generation = pool.name, pool.generation
@@ -131,7 +134,7 @@ class PoolAdmin:
         self._transfers.fail_all(f"pool {req.pool} dropped", pool=req.pool)
         self.collect_events()
         self.pools.drop(req.pool)
-        self.event_outbox.append((req.pool, None))
+        self.event_outbox.append((req.pool, None, ()))
         return p.Ok(req.req_id)
 
     def reset(self, s: Session, req: p.Reset) -> p.Reply:
@@ -191,7 +194,7 @@ class PoolAdmin:
                 self.collect_events()
                 pool.owned.reset()
                 pool.resetting = False
-                self.event_outbox.append((pool.name, None))
+                self.event_outbox.append((pool.name, None, ()))
                 log.info("event=pool_reset pool=%s", pool.name)
 
     def pools_result(self, req: p.Pools) -> p.Reply:
@@ -215,7 +218,7 @@ class PoolAdmin:
                 self._transfers.fail_all(f"pool {pool.name} could not be backed", pool=pool.name)
                 self.collect_events()
                 self.pools.drop(pool.name)
-                self.event_outbox.append((pool.name, None))
+                self.event_outbox.append((pool.name, None, ()))
 
     def release(self, pool: Pool, owner: int, until: float, now: float) -> None:
         """Rolls session `owner` back on `pool` now, or holds its slots until `until`."""
@@ -258,9 +261,9 @@ class PoolAdmin:
                     self._counters["evictions" if event.removed else "blocks_stored"] += len(
                         event.keys
                     )
-                self.event_outbox.append((pool.name, events))
+                self.event_outbox.append((pool.name, events, pool.layout.groups))
 
     def announce_cleared(self) -> None:
         """Every pool's topic starts over (daemon shutdown)."""
         for pool in self.pools:
-            self.event_outbox.append((pool.name, None))
+            self.event_outbox.append((pool.name, None, ()))

@@ -39,7 +39,7 @@ class EventPump:
             return False
         left = budget
         while outbox and (left is None or left > 0):
-            pool, events = outbox[0]
+            pool, events, groups = outbox[0]
             if events is None:
                 publisher.all_cleared(pool)
                 del outbox[0]
@@ -59,7 +59,7 @@ class EventPump:
                     self._cut = 0
                 else:
                     self._cut = end
-            publisher.add(pool, taken)
+            publisher.add(pool, taken, groups)
             if not events:
                 del outbox[0]
         publisher.flush(time.time())

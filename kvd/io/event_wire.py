@@ -11,29 +11,33 @@ batch around them stays a positional array:
                     "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
                     "locality", "ownership", "session_id"}
     BlockRemoved = {"type": "BlockRemoved", "block_hashes", "medium",
-                    then, only when set: "group_idx", "locality", "ownership"}
+                    then, only when set: "group_idx", "locality", "ownership",
+                    and kvd's "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
     AllBlocksCleared = {"type": "AllBlocksCleared"}
 
-The field order and defaults below are vLLM's, so the bytes are the bytes a
-vLLM 0.32 publisher would send for the same event.
+The field order and defaults below are vLLM's, so a store's bytes are the
+bytes a vLLM 0.32 publisher would send for the same event. A removal also
+names its group's kind (and window), which vLLM's `BlockRemoved` has no field
+for: vLLM's decoder ignores a map key it does not know (msgspec's default),
+llm-d reads only the fields it names, and Dynamo reads them by name and keeps
+a removal of a group other than 0 only when it names a main-attention kind
+(`lib/kv-router/src/zmq_wire/filter.rs`, `should_ignore`).
 
 The array form (`events_format = "array"`) is the positional layout vLLM used
-before the change. It is kept because llm-d's kv-cache indexer
-(`pkg/kvevents/engineadapter/vllm_adapter.go`, June 2026) still unpacks each
-event as a positional array and rejects a map. Its positions are the ones that
-adapter documents and reads:
+before the change, for readers that still unpack positions:
 
     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
      lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
      kv_cache_spec_sliding_window]
-    ["BlockRemoved", block_hashes, medium, group_idx]
+    ["BlockRemoved", block_hashes, medium, group_idx, kv_cache_spec_kind,
+     kv_cache_spec_sliding_window]
     ["AllBlocksCleared"]
 
-It stops there on purpose. Dynamo's decoder (`lib/kv-router/src/zmq_wire.rs`)
-reads the trailing elements of an array without their names, each as a group
-index or a spec kind, and drops an event whose spec kind it does not know: a
-"LOCAL" after a BlockRemoved's group_idx would be read as one, and the removal
-lost. Dynamo reads both forms, so it needs no switch of its own.
+It stops there on purpose: Dynamo reads the trailing elements of an array
+without their names, a string as a spec kind and a number as a group index
+(its `zmq_wire/README.md` documents exactly this tail for both events), so a
+"LOCAL" or an ownership after them would be read as a kind and the event
+lost. msgspec ignores trailing elements an older array type lacks.
 
 What a kvd pool knows and what it fills in:
 
@@ -46,15 +50,24 @@ What a kvd pool knows and what it fills in:
 - `group_idx`: taken from a 36-byte key, which is vLLM's offload key (a
   32-byte block hash followed by the KV-cache group as 4 bytes, big-endian).
   Keys from different groups go in separate events, in key order. Other key
-  lengths carry no group, so the field is left out.
-- `medium`: the index event's, "CPU". `block_size`: the pool's tokens per
-  block. `locality`: "LOCAL", since a pool is memory on the publishing host.
-  This is map form only.
+  lengths carry no group, so the field is left out, and so is the kind.
+- `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`: the group's entry in
+  the pool's `Layout.groups` (vLLM's `KVCacheSpecKind` value, and the window
+  of a sliding-window group), as vLLM's `get_offloading_event_group_spec`
+  names them. Left out when the layout names no groups (an older client, the
+  tools: what kvd published before the layout named them) and for a group
+  index past the layout's groups: naming a kind kvd was not told would have a
+  router index blocks as a kind they are not; without one a router applies
+  its rule for an unclassified group, as for vLLM's own placeholder events.
+- `medium`: the index event's, "CPU". `locality` and `ownership`: left out
+  (None), as vLLM's OffloadingConnector publishes its CPU tier: its
+  `CPUOffloadingManager` makes `OffloadingEvent(keys, Medium.CPU, removed)`
+  with neither set, and `OffloadingEventsTracker` forwards them as they are
+  (vLLM 0.32 and 0.33, `distributed/kv_transfer/kv_connector/v1/offloading/
+  events.py`). `block_size`: the pool's tokens per block.
 - Left at their defaults, because the daemon never sees them:
   `parent_block_hash`, `token_ids` (empty), `lora_id`, `lora_name`,
-  `extra_keys`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`,
-  `ownership` (kvd is the tier itself, not a secondary tier of one) and
-  `session_id` (an engine session is not a vLLM request).
+  `extra_keys` and `session_id` (an engine session is not a vLLM request).
 """
 
 from __future__ import annotations
@@ -64,11 +77,11 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvd_client.protocol import Group
 from kvd_client.types import OffloadingEvent
 
 EventFormat = Literal["map", "array"]
 ExternalBlockHash = bytes | int
-LOCALITY = "LOCAL"
 _LOW_64_BITS = (1 << 64) - 1
 OFFLOAD_KEY_BYTES = 36  # vLLM's offload key: the block hash, then 4 bytes of group
 _GROUP_BYTES = 4
@@ -113,6 +126,9 @@ class BlockRemoved(KVCacheEvent, frozen=True):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    # kvd's, after vLLM's fields (module docstring): Dynamo needs the kind.
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent, frozen=True):
@@ -148,6 +164,8 @@ class ArrayBlockRemoved(ArrayEvent, frozen=True, tag="BlockRemoved"):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class ArrayAllBlocksCleared(ArrayEvent, frozen=True, tag="AllBlocksCleared"):
@@ -202,14 +220,39 @@ def group_runs(keys: Sequence[bytes]) -> list[tuple[int | None, list[bytes]]]:
     return runs
 
 
-def map_events(event: OffloadingEvent, int_block_hashes: bool = False) -> list[WireEvent]:
-    """vLLM 0.32's events for one index event. The daemon never sees tokens, so
-    `token_ids` is empty and `parent_block_hash` is None."""
+GroupSpec = tuple[str | None, int | None]  # (kv_cache_spec_kind, kv_cache_spec_sliding_window)
+_NO_SPEC: GroupSpec = (None, None)
+
+
+def group_spec(groups: Sequence[Group], group: int | None) -> GroupSpec:
+    """The kind and window the events of `group` carry: its entry in the pool's
+    layout; none for no group or one the layout does not name (module docstring)."""
+    if group is None or group >= len(groups):
+        return _NO_SPEC
+    g = groups[group]
+    return g.kind, g.sliding_window
+
+
+def map_events(
+    event: OffloadingEvent, int_block_hashes: bool = False, groups: Sequence[Group] = ()
+) -> list[WireEvent]:
+    """vLLM 0.32's events for one index event of a pool whose layout names
+    `groups`. The daemon never sees tokens, so `token_ids` is empty and
+    `parent_block_hash` is None."""
     out: list[WireEvent] = []
     for group, keys in group_runs(event.keys):
         hashes = block_hashes(keys, int_block_hashes)
+        kind, window = group_spec(groups, group)
         if event.removed:
-            out.append(BlockRemoved(hashes, event.medium, group_idx=group, locality=LOCALITY))
+            out.append(
+                BlockRemoved(
+                    hashes,
+                    event.medium,
+                    group_idx=group,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
+                )
+            )
         else:
             out.append(
                 BlockStored(
@@ -221,38 +264,45 @@ def map_events(event: OffloadingEvent, int_block_hashes: bool = False) -> list[W
                     event.medium,
                     None,
                     group_idx=group,
-                    locality=LOCALITY,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
                 )
             )
     return out
 
 
-def array_events(event: OffloadingEvent, int_block_hashes: bool = False) -> list[WireEvent]:
+def array_events(
+    event: OffloadingEvent, int_block_hashes: bool = False, groups: Sequence[Group] = ()
+) -> list[WireEvent]:
     """The same events in the array form."""
     out: list[WireEvent] = []
     for group, keys in group_runs(event.keys):
         hashes = block_hashes(keys, int_block_hashes)
+        kind, window = group_spec(groups, group)
         if event.removed:
-            out.append(ArrayBlockRemoved(hashes, event.medium, group))
+            out.append(ArrayBlockRemoved(hashes, event.medium, group, kind, window))
         else:
-            out.append(
-                ArrayBlockStored(
-                    hashes, None, [], event.block_tokens, None, event.medium, None, group_idx=group
-                )
-            )
+            stored = ArrayBlockStored(
+                hashes, None, [], event.block_tokens, None, event.medium, None, None,
+                group, kind, window,
+            )  # fmt: skip
+            out.append(stored)
     return out
 
 
-ToWire = Callable[[OffloadingEvent, bool], list[WireEvent]]
+ToWire = Callable[[OffloadingEvent, bool, Sequence[Group]], list[WireEvent]]
 TO_WIRE: dict[str, ToWire] = {"map": map_events, "array": array_events}
 ALL_CLEARED: dict[str, WireEvent] = {"map": AllBlocksCleared(), "array": ArrayAllBlocksCleared()}
 
 
 def to_wire(
-    event: OffloadingEvent, int_block_hashes: bool = False, event_format: EventFormat = "map"
+    event: OffloadingEvent,
+    int_block_hashes: bool = False,
+    event_format: EventFormat = "map",
+    groups: Sequence[Group] = (),
 ) -> list[WireEvent]:
     """The wire events for one index event, in `event_format`."""
-    return TO_WIRE[event_format](event, int_block_hashes)
+    return TO_WIRE[event_format](event, int_block_hashes, groups)
 
 
 # -- framing ------------------------------------------------------------------

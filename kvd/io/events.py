@@ -47,6 +47,7 @@ from kvd.io.event_wire import (
     format_topic,
     parse_replay_request,
 )
+from kvd_client.protocol import Group
 from kvd_client.types import OffloadingEvent
 
 if TYPE_CHECKING:
@@ -199,11 +200,15 @@ class EventPublisher:
 
     # -- publishing ------------------------------------------------------------
 
-    def add(self, pool: str, events: Sequence[OffloadingEvent]) -> None:
-        """Buffers a pool's index events, oldest first, for the next `flush`."""
+    def add(
+        self, pool: str, events: Sequence[OffloadingEvent], groups: Sequence[Group] = ()
+    ) -> None:
+        """Buffers a pool's index events, oldest first, for the next `flush`;
+        `groups` are the pool's layout's (`event_wire`: what each group's carry)."""
         if self._pub is None and self._replay is None:
             return
-        wire = [w for e in events if e.keys for w in self._to_wire(e, self.int_block_hashes)]
+        as_int, to_wire = self.int_block_hashes, self._to_wire
+        wire = [w for e in events if e.keys for w in to_wire(e, as_int, groups)]
         if wire:
             self._pending.setdefault(pool, []).extend(wire)
 

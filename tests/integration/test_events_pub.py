@@ -81,7 +81,7 @@ decode = msgspec.msgpack.Decoder(Batch).decode
 
 def local_stored(ks: list[bytes], block_tokens: int = 16) -> BlockStored:
     """What the daemon says about 8-byte keys it stored (bytes hashes by default)."""
-    return BlockStored(ks, None, [], block_tokens, None, "CPU", locality="LOCAL")
+    return BlockStored(ks, None, [], block_tokens, None, "CPU")
 
 
 def keys(n: int, start: int = 0) -> list[bytes]:
@@ -198,7 +198,7 @@ def test_batch_decodes_with_topic_seq_and_ts(
     assert batch.ts == 1234.5
     assert batch.events == [
         local_stored(keys(3), 32),
-        BlockRemoved(keys(1), "CPU", locality="LOCAL"),
+        BlockRemoved(keys(1), "CPU"),
         AllBlocksCleared(),
     ]
     sub.close()

@@ -156,9 +156,7 @@ def vllm_hash(key: bytes) -> int | bytes:
 
 
 def stored(hashes: list[bytes | int], group_idx: int | None = None) -> BlockStored:
-    return BlockStored(
-        hashes, None, [], 16, None, MEDIUM_CPU, None, group_idx=group_idx, locality="LOCAL"
-    )
+    return BlockStored(hashes, None, [], 16, None, MEDIUM_CPU, None, group_idx=group_idx)
 
 
 def test_daemon_events_decode_with_vllms_decoder_from_pub_and_replay(
@@ -182,7 +180,7 @@ def test_daemon_events_decode_with_vllms_decoder_from_pub_and_replay(
         == [
             AllBlocksCleared(),  # a new pool's topic starts clean
             stored([1, 2, 2**64 - 1]),  # 8-byte keys: the ints the engine hashed
-            BlockRemoved([1, 2], MEDIUM_CPU, locality="LOCAL"),
+            BlockRemoved([1, 2], MEDIUM_CPU),
             # vLLM's offload keys (hash + group) as vLLM publishes their hashes
             stored([vllm_hash(k) for k in offload[:2]], group_idx=0),
             stored([vllm_hash(k) for k in offload[2:]], group_idx=1),

@@ -50,14 +50,18 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     group_idx: int | None = None
-    locality: str | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    # No locality nor ownership: kvd sends neither (vLLM's CPU tier does not),
+    # and a field not named here fails the decode.
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes | int]
     medium: str | None
     group_idx: int | None = None
-    locality: str | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -194,11 +198,11 @@ def joined_subscriber(w: Wired, seen: list[Message]) -> zmq.Socket[bytes]:
 
 
 def stored(hashes: list[bytes | int], group_idx: int | None = None) -> BlockStored:
-    return BlockStored(hashes, None, [], 16, None, "CPU", None, group_idx, "LOCAL")
+    return BlockStored(hashes, None, [], 16, None, "CPU", None, group_idx)
 
 
 def removed(hashes: list[bytes | int], group_idx: int | None = None) -> BlockRemoved:
-    return BlockRemoved(hashes, "CPU", group_idx, "LOCAL")
+    return BlockRemoved(hashes, "CPU", group_idx)
 
 
 def replay_all(w: Wired, start_seq: int) -> list[tuple[int, bytes]]:

@@ -24,6 +24,7 @@ from kvd.io.event_wire import (
     parse_replay_request,
     to_wire,
 )
+from kvd_client.protocol import Group
 from kvd_client.scheduler import as_keys
 from kvd_client.types import OffloadingEvent
 
@@ -63,6 +64,8 @@ class Removed(MapEvent, tag="BlockRemoved"):
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
+    kv_cache_spec_kind: str | None = None  # kvd's (kvd.io.event_wire)
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class Cleared(MapEvent, tag="AllBlocksCleared"):
@@ -111,8 +114,13 @@ def encode(events: list[Any], ts: float = 1.5) -> bytes:
     return msgspec.msgpack.encode(EventBatch(ts, events))
 
 
-def wire(event: OffloadingEvent, as_int: bool = False, fmt: EventFormat = "map") -> list[Any]:
-    return list(to_wire(event, as_int, fmt))
+def wire(
+    event: OffloadingEvent,
+    as_int: bool = False,
+    fmt: EventFormat = "map",
+    groups: tuple[Group, ...] = (),
+) -> list[Any]:
+    return list(to_wire(event, as_int, fmt, groups))
 
 
 def test_wire_shape_is_vllm_032_tagged_maps() -> None:
@@ -133,9 +141,8 @@ def test_wire_shape_is_vllm_032_tagged_maps() -> None:
                 "lora_id": None,
                 "medium": "CPU",
                 "lora_name": None,
-                "locality": "LOCAL",
             },
-            {"type": "BlockRemoved", "block_hashes": K[2:], "medium": "CPU", "locality": "LOCAL"},
+            {"type": "BlockRemoved", "block_hashes": K[2:], "medium": "CPU"},
             {"type": "AllBlocksCleared"},
         ],
         None,
@@ -155,8 +162,8 @@ def test_consumer_types_decode_stored_removed_cleared() -> None:
     assert batch.ts == 99.25
     assert batch.data_parallel_rank is None
     assert batch.events == [
-        Stored(K, None, [], 32, None, "CPU", None, locality="LOCAL"),
-        Removed([K[0]], "CPU", locality="LOCAL"),
+        Stored(K, None, [], 32, None, "CPU", None),
+        Removed([K[0]], "CPU"),
         Cleared(),
     ]
 
@@ -184,17 +191,61 @@ def test_group_idx_from_vllm_offload_keys_one_event_per_group() -> None:
                 "block_hashes": [c[:32]],  # bytes hashes: the block hash, no group bytes
                 "medium": "CPU",
                 "group_idx": 2,
-                "locality": "LOCAL",
             },
             {
                 "type": "BlockRemoved",
                 "block_hashes": [a[:32]],
                 "medium": "CPU",
                 "group_idx": 0,
-                "locality": "LOCAL",
             },
         ]
     )
+
+
+HYBRID = (Group("sliding_window", 16, 1024), Group("full_attention", 16))
+
+
+@pytest.mark.parametrize("fmt", ["map", "array"])
+def test_each_group_carries_its_layouts_kind_and_window(fmt: EventFormat) -> None:
+    sw, full, past = (offload_key(bytes([i]) * 32, g) for i, g in ((1, 0), (2, 1), (3, 2)))
+    keys = [sw, full, past, K[0]]
+    events = [
+        *wire(OffloadingEvent(keys, 16), True, fmt, HYBRID),
+        *wire(OffloadingEvent(keys, 16, removed=True), True, fmt, HYBRID),
+    ]
+    decoded = msgspec.msgpack.decode(encode(events))[1]
+    if fmt == "map":
+        got = [
+            (e["type"], e.get("group_idx"), e.get("kv_cache_spec_kind"),
+             e.get("kv_cache_spec_sliding_window"), e.get("locality"), e.get("ownership"))
+            for e in decoded
+        ]  # fmt: skip
+    else:  # [9] group, [10] kind, [11] window; a removal's [3], [4], [5]
+        at = {"BlockStored": 9, "BlockRemoved": 3}
+        got = [(e[0], *e[at[e[0]] : at[e[0]] + 3], None, None) for e in decoded]
+    expected = [
+        ("sliding_window", 0, "sliding_window", 1024),
+        ("full_attention", 1, "full_attention", None),
+        # A group the layout does not name: its index, and no kind.
+        ("past", 2, None, None),
+        ("no group", None, None, None),  # an 8-byte key: neither
+    ]
+    assert got == [
+        (tag, group, kind, window, None, None)  # never a locality or an ownership
+        for tag in ("BlockStored", "BlockRemoved")
+        for _, group, kind, window in expected
+    ]
+
+
+def test_a_layout_without_groups_publishes_the_group_and_no_kind() -> None:
+    """An older client's pool: what kvd published before layouts named groups."""
+    keys = [offload_key(b"\x01" * 32, 0), offload_key(b"\x02" * 32, 1)]
+    for removed in (False, True):
+        decoded = msgspec.msgpack.decode(encode(wire(OffloadingEvent(keys, 16, removed=removed))))
+        assert [(e["group_idx"], "kv_cache_spec_kind" in e) for e in decoded[1]] == [
+            (0, False),
+            (1, False),
+        ]
 
 
 def test_array_form_is_the_positional_layout_of_older_vllm() -> None:
@@ -205,12 +256,13 @@ def test_array_form_is_the_positional_layout_of_older_vllm() -> None:
         ArrayAllBlocksCleared(),
     ]
     # The positions llm-d's indexer reads: [0] tag ... [9] group_idx,
-    # [10] kv_cache_spec_kind, [11] kv_cache_spec_sliding_window; removal [3] group_idx.
+    # [10] kv_cache_spec_kind, [11] kv_cache_spec_sliding_window; removal [3] group_idx,
+    # then the tail Dynamo's zmq_wire/README.md documents: [4] kind, [5] window.
     assert msgspec.msgpack.decode(encode(events)) == [
         1.5,
         [
             ["BlockStored", [1], None, [], 16, None, "CPU", None, None, None, None, None],
-            ["BlockRemoved", [int.from_bytes(b"\x07" * 8, "big")], "CPU", 1],
+            ["BlockRemoved", [int.from_bytes(b"\x07" * 8, "big")], "CPU", 1, None, None],
             ["AllBlocksCleared"],
         ],
         None,
