@@ -56,8 +56,8 @@ def test_the_replicated_layout_maps_to_a_replicated_pool() -> None:
 @pytest.mark.parametrize(
     ("cfg", "why"),
     [
-        (config(groups=2), "2 KV cache groups"),
-        (config(blocks_per_chunk=2), "blocks_per_chunk 2"),
+        (config(kvd_connector=False), "vLLM's plain OffloadingConnector"),
+        (config(groups=2, kvd_refuse="a reason"), "a reason"),
     ],
 )
 def test_what_kvd_cannot_hold_turns_offloading_off_with_one_line(
@@ -335,7 +335,7 @@ def test_pins_of_a_daemon_that_restarted_are_not_trusted(restart: str) -> None:
 
 
 def test_an_engine_kvd_cannot_hold_gets_an_idle_worker_not_an_exception() -> None:
-    spec = KvdOffloadingSpec(config(blocks_per_chunk=2))
+    spec = KvdOffloadingSpec(config(kvd_connector=False))
     worker = spec.get_worker(kv_caches_of(torch.zeros((4, 4096), dtype=torch.int8)))
     assert isinstance(worker, IdleWorker)
     assert worker.submit_load(1, KvdLoadStoreSpec([0], 0), device([3]))

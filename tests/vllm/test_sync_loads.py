@@ -14,10 +14,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 
 from kvd_client.vllm import connector as kvd_connector
 
@@ -27,14 +29,24 @@ def extra_config_after_init(
 ) -> dict[str, Any]:
     """The extra config kvd's connector hands vLLM's, for an engine of `groups`."""
     monkeypatch.setattr(kvd_connector, "weights_fingerprint", lambda _config: "weights")
+    monkeypatch.setattr(  # the groups' specs are not built here
+        kvd_connector, "describe_groups", lambda c: [["full_attention", 32, None]] * groups
+    )
     monkeypatch.setattr(OffloadingConnector, "__init__", lambda *_args: None)
-    transfer = SimpleNamespace(kv_connector_extra_config=dict(extra),
+    config: dict[str, Any] = dict(extra)
+    transfer = SimpleNamespace(kv_connector_extra_config=config,
                                kv_load_failure_policy="recompute")  # fmt: skip
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[object()] * groups)
+    full = FullAttentionSpec(16, num_kv_heads=1, head_size=64, dtype=torch.float16)
+    sliding = SlidingWindowSpec(16, num_kv_heads=1, head_size=64, dtype=torch.float16,
+                                sliding_window=64)  # fmt: skip
+    specs = [full, sliding][:groups]
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+    )
     kvd_connector.KvdOffloadingConnector(
         SimpleNamespace(kv_transfer_config=transfer), KVConnectorRole.SCHEDULER, kv_cache_config
     )
-    return transfer.kv_connector_extra_config
+    return config
 
 
 def test_sync_loads_of_several_groups_are_refused_at_start(
@@ -42,7 +54,7 @@ def test_sync_loads_of_several_groups_are_refused_at_start(
 ) -> None:
     extra = extra_config_after_init(monkeypatch, 2, sync_load_budget_bytes=1 << 20)
     assert extra["kvd_connector"] is True
-    assert extra.get("kvd_refuse")  # kvd is off for the engine, with one line
+    assert "sync_load_budget_bytes" in extra["kvd_refuse"]  # kvd off, with one line
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 20])

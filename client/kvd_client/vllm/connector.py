@@ -19,8 +19,15 @@ say that a load was not served or a store not copied. This subclass:
 - marks the config (`kvd_connector`): the spec turns kvd off under vLLM's
   plain connector, which can neither recompute a load kvd could not serve
   nor hear of a failed copy;
-- turns offloading off for an engine with several KV cache groups, whose
-  failed loads vLLM cannot take block by block.
+- names the engine's KV cache groups (`kvd_groups`: vLLM's kind, tokens per
+  block and window of each, `kvd_client.vllm.groups`), which vLLM's
+  offloading config leaves out, for the pool's layout and the manager's
+  lookups by kind;
+- reports a load kvd could not serve per request (vLLM's `failed_recving`)
+  in an engine of several KV cache groups, whose block ids vLLM cannot map
+  back to requests (its `_handle_invalid_blocks` raises on them there), and
+  block by block (`invalid_block_ids`) in an engine of one, where vLLM
+  recomputes only the blocks that failed.
 
 Everything else is vLLM's connector unchanged. Load it with `kv_connector_module_path`:
 
@@ -43,6 +50,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -53,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 
+from kvd_client.vllm.groups import describe_groups
 from kvd_client.vllm.manager import KvdOffloadingManager, StepNotes
 from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 
@@ -145,12 +154,10 @@ class KvdOffloadingConnector(OffloadingConnector):
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         extra.setdefault("kvd_weights", weights_fingerprint(vllm_config))
         extra["kvd_connector"] = True  # the spec refuses vLLM's plain connector
+        extra["kvd_groups"] = describe_groups(kv_cache_config)
         groups = len(kv_cache_config.kv_cache_groups)
-        if groups > 1:  # vLLM cannot map failed blocks back to requests then
-            extra["kvd_refuse"] = (
-                f"{groups} KV cache groups in the engine (vLLM takes failed loads "
-                "block by block only from engines with one)"
-            )
+        # A load kvd cannot serve: per request where block ids are per group.
+        self._failed_per_request = groups > 1
         if groups > 1 and int(extra.get("sync_load_budget_bytes") or 0) > 0:
             # vLLM 0.33's sync loads run their request in the step of the load; vLLM
             # takes such a load's failure block by block only (invalid_block_ids), which
@@ -236,6 +243,20 @@ class KvdOffloadingConnector(OffloadingConnector):
             {token: (1, copied) for token, copied in copies.items()},
         )
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's, and in an engine of several groups the requests of the loads kvd
+        could not serve as `failed_recving` (they are in `finished_recving` too, as
+        vLLM wants: the worker reports every job done): vLLM recomputes them."""
+        worker = self._kvd_worker()
+        failed = worker.take_failed_loads() if worker is not None else set()
+        jobs = self.connector_worker._load_jobs if self.connector_worker is not None else {}
+        requests = {jobs[job] for job in failed if job in jobs}  # before vLLM pops them
+        results = super().get_transfer_results(finished_req_ids)
+        if self._failed_per_request:
+            results.failed_recving |= requests
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self._kvd_worker()
-        return worker.take_load_errors() if worker is not None else set()
+        blocks = worker.take_load_errors() if worker is not None else set()
+        return set() if self._failed_per_request else blocks

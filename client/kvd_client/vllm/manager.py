@@ -47,7 +47,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
@@ -67,11 +67,16 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from kvd_client.scheduler import Scheduler
 from kvd_client.vllm.boundary import FailureLog
+from kvd_client.vllm.groups import group_of, lookup_order
 from kvd_client.vllm.metrics import KvdCounters
+from kvd_client.vllm.records import Pin as _Pin
+from kvd_client.vllm.records import Request as _Request
+from kvd_client.vllm.records import Store as _Store
 
 log = logging.getLogger("kvd_client.vllm")
 UNSERVABLE = -1  # the generation of a load spec whose slots kvd could not pin
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+_NO_GROUPS: dict[int, _Request] = {}  # a request not looked up (never written to)
 
 
 class KvdLoadStoreSpec(CPULoadStoreSpec):
@@ -113,52 +118,19 @@ class StepNotes:
     cancel_below: int
 
 
-@dataclass
-class _Store:
-    """One `prepare_store` in flight; vLLM completes it by its request and keys."""
-
-    token: int
-    keys: list[bytes]  # keys_to_store, in the order of their slots
-    session: int  # the `Scheduler.epoch` it was prepared in
-    deadline: float  # its spec's
-    writers: int  # workers that copy it (under MLA the others acknowledge only)
-    reports: int = 0  # workers that reported their copy
-    copied: bool = True  # every report so far said copied
-
-
-@dataclass
-class _Pin:
-    slot: int
-    generation: int  # of the pool's segment the slot is in
-    session: int | None  # the `Scheduler.epoch` of the session holding the pin
-
-
-@dataclass
-class _Request:
-    """What one request's last lookup found: the keys sent (in prefix order,
-    from the first one vLLM asked about) and the pinned leading hits."""
-
-    keys: list[bytes]
-    registered: int  # keys vLLM had registered for the request then
-    step: int  # the scheduler step of that lookup
-    hits: int | None = 0  # None: a key is being stored, look again next step
-    failed: bool = False  # the daemon did not answer: look again next step
-    from_table: bool = False  # answered from the ready table: hits not pinned yet
-    pinned: dict[bytes, _Pin] = field(default_factory=dict)
-    index: dict[bytes, int] = field(default_factory=dict)  # key -> its place in keys (RPC)
-    # From the ready table: the leading hits (keys[:hits]); None otherwise, or
-    # while a key is being stored (hits None).
-    hit_keys: frozenset[bytes] | None = None
-    # Monotonic time of the first of the lookups in a row that answered RETRY.
-    retry_since: float | None = None
-
-
 class KvdOffloadingManager(OffloadingManager):
     def __init__(
-        self, scheduler: Scheduler | None, *, enable_events: bool = False, writers: int = 1
+        self,
+        scheduler: Scheduler | None,
+        *,
+        enable_events: bool = False,
+        writers: int = 1,
+        window_groups: Collection[int] = (),
     ) -> None:
         self._scheduler = scheduler  # None: offloading off for this engine
         self._writers = writers  # workers that copy each store
+        # Groups vLLM looks up scanning back for a window (`kvd_client.vllm.groups`).
+        self._window_groups = frozenset(window_groups)
         # Stores in flight by (request, keys), the oldest first, and by token.
         self._stores: dict[tuple[str, frozenset[bytes]], deque[_Store]] = {}
         self._by_token: dict[int, _Store] = {}
@@ -172,7 +144,7 @@ class KvdOffloadingManager(OffloadingManager):
         self._alive_handed = 0.0  # the latest `alive_until` told the workers
         self._alive_at_reset = 0.0
         self._failures = FailureLog(log)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, dict[int, _Request]] = {}  # request -> group -> lookup
         self._step = 0  # scheduler steps so far (`on_schedule_end`)
         self._counters = KvdCounters()
         self._warned_no_pin = False
@@ -183,19 +155,26 @@ class KvdOffloadingManager(OffloadingManager):
     # -- lookups ---------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        state = self._requests.get(req_context.req_id)
+        state = self._requests.get(req_context.req_id, _NO_GROUPS).get(group_of(key))
         if state is not None and state.step == self._step:
             hit_keys = state.hit_keys
             if hit_keys is not None and type(key) is bytes:
                 # Looked up in the ready table this step: vLLM asks key by key.
-                return _HIT if key in hit_keys else _MISS
+                if key in hit_keys:
+                    return _HIT
+                if state.scanned is None or key in state.scanned:
+                    return _MISS
         return self._lookup(bytes(key), req_context, state)
 
     def _lookup(self, key: bytes, req_context: ReqContext, state: _Request | None) -> LookupResult:
         if self._scheduler is None:
             return LookupResult.MISS
         if state is None or (state.step != self._step and self._stale(state, key, req_context)):
-            state = self._look_up(req_context, state, key)  # once per request and step at most
+            # Once per request, group and step at most (a window group's scan
+            # past a miss: again from the ready table, `_scan_on`).
+            state = self._look_up(req_context, state, key)
+        elif state.scanned is not None and key not in state.scanned:
+            self._scan_on(state, key, req_context)
         if state.hits is None:
             return self._retry(state, req_context)
         if state.hit_keys is not None:  # from the ready table
@@ -256,22 +235,16 @@ class KvdOffloadingManager(OffloadingManager):
         if old is not None:
             self._unpin(old, list(old.pinned))
         positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
-        # In prefix order (OffloadKeys are bytes). vLLM registers them in that
-        # order, so the sort (stable: ties keep it) is seldom needed.
-        ordered = list(positions)
-        ends = list(positions.values())
-        if ends != sorted(ends):
-            ordered.sort(key=positions.__getitem__)
-        # Keys before the first one vLLM asks about are in vLLM's own cache.
-        if first in positions:
-            start = ordered.index(first)
-            keys = ordered[start:] if start else ordered
-        else:
-            keys = [first]
-        state = _Request(keys, len(ordered), self._step)
+        # The keys of `first`'s group in the order vLLM's scan reads them (forward,
+        # or back for a window group); for a prefix group those before `first` are
+        # in vLLM's own cache.
+        group = group_of(first)
+        window = group in self._window_groups
+        keys = lookup_order(positions, first, window=window)
+        state = _Request(keys, len(positions), self._step)
         if old is not None and old.hits is None:  # still waiting on the same stores
             state.retry_since = old.retry_since
-        self._requests[ctx.req_id] = state
+        self._requests.setdefault(ctx.req_id, {})[group] = state
         self._counters.add("lookup_keys", len(keys))
         if self._scheduler.table is not None:  # no round trip: pinned at prepare_load
             hits = state.hits = self._scheduler.lookup(keys)
@@ -279,6 +252,8 @@ class KvdOffloadingManager(OffloadingManager):
             state.failed = not self._scheduler.connected
             if hits is not None:
                 state.hit_keys = frozenset(keys[:hits])
+                if window:
+                    state.scanned = set(keys[: hits + 1])
             self._counters.add("lookup_hit_keys", hits or 0)
             return state
         state.index = dict(zip(keys, range(len(keys)), strict=True))
@@ -311,36 +286,52 @@ class KvdOffloadingManager(OffloadingManager):
             self._counters.add("lookup_hit_keys", hits)
         return state
 
+    def _scan_on(self, state: _Request, key: bytes, ctx: ReqContext) -> None:
+        """vLLM's scan back over a window group went on past the miss that ended
+        the run found this step: the run from `key` back, from the ready table
+        (no message; a key being stored reads as a miss, and is recomputed)."""
+        assert self._scheduler is not None and state.scanned is not None
+        positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
+        keys = lookup_order(positions, key, window=True)
+        hits = self._scheduler.lookup(keys) or 0
+        state.scanned.update(keys[: hits + 1])
+        state.hit_keys = (state.hit_keys or frozenset()) | frozenset(keys[:hits])
+        self._counters.add("lookup_keys", len(keys))
+        self._counters.add("lookup_hit_keys", hits)
+
     # -- loads -------------------------------------------------------------------
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        wanted = [bytes(k) for k in keys]
-        state = self._requests.get(req_context.req_id)
-        if state is None:
-            state = self._requests[req_context.req_id] = _Request([], 0, self._step)
+        wanted = [bytes(k) for k in keys]  # group by group, as vLLM's blocks are
+        states = self._requests.setdefault(req_context.req_id, {})
         if not wanted:
             return KvdLoadStoreSpec([], self._generation())
+        of = [states.get(g) or states.setdefault(g, _Request([], 0, self._step))
+              for g in map(group_of, wanted)]  # fmt: skip
         # Pins vLLM will not load (its own cache has those blocks) go now.
         loading = set(wanted)  # once: a long prompt loads 10^5 keys
-        self._unpin(state, [k for k in state.pinned if k not in loading])
-        pins = [state.pinned.get(k) for k in wanted]
+        for state in states.values():
+            self._unpin(state, [k for k in state.pinned if k not in loading])
+        pins = [state.pinned.get(k) for k, state in zip(wanted, of, strict=True)]
         if (
             any(pin is None or not self._valid(pin) for pin in pins)
             or len({pin.generation for pin in pins if pin is not None}) > 1
         ):  # one spec names one segment, pinned by this session
-            self._unpin(state, [k for k in wanted if k in state.pinned])
-            if not self._pin(state, wanted):
+            for state in states.values():
+                self._unpin(state, list(state.pinned))  # all of them are keys vLLM loads
+            if not self._pin(of, wanted):
                 self._counters.add("unservable_loads")
                 return KvdLoadStoreSpec([0] * len(wanted), UNSERVABLE)
-        got = [state.pinned[k] for k in wanted]
+        got = [state.pinned[k] for k, state in zip(wanted, of, strict=True)]
         session, until = self._alive_until(self._scheduler)
         return KvdLoadStoreSpec(
             [pin.slot for pin in got], got[0].generation, session=session, deadline=until
         )
 
-    def _pin(self, state: _Request, keys: list[bytes]) -> bool:
-        """Pins `keys`, which vLLM loads without a valid pin (a reset or a reconnect
-        took it): true if they are now pinned, all in the pool's current segment."""
+    def _pin(self, states: list[_Request], keys: list[bytes]) -> bool:
+        """Pins `keys` (the lookup of `states[i]` holds `keys[i]`), which vLLM loads
+        without a valid pin (a reset or a reconnect took it): true if they are now
+        pinned, all in the pool's current segment."""
         if self._scheduler is None:
             return False
         try:
@@ -350,14 +341,14 @@ class KvdOffloadingManager(OffloadingManager):
             self._counters.add("daemon_errors")
             return False
         generation, session = self._generation(), self._session()
-        for key, slot in zip(keys, spec.slots, strict=True):
+        for key, slot, state in zip(keys, spec.slots, states, strict=True):
             state.pinned[key] = _Pin(slot, generation, session)
         return True
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        state = self._requests.get(req_context.req_id)
-        if state is not None:
-            self._unpin(state, [bytes(k) for k in keys if bytes(k) in state.pinned])
+        done = {bytes(k) for k in keys}
+        for state in self._requests.get(req_context.req_id, _NO_GROUPS).values():
+            self._unpin(state, [k for k in state.pinned if k in done])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self._scheduler is not None:
@@ -516,8 +507,7 @@ class KvdOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        state = self._requests.pop(req_context.req_id, None)
-        if state is not None:
+        for state in self._requests.pop(req_context.req_id, _NO_GROUPS).values():
             self._unpin(state, list(state.pinned))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -574,8 +564,9 @@ class KvdOffloadingManager(OffloadingManager):
     # exports them (`kvd_pool_capacity_bytes`, `kvd_pool_capacity_blocks`).
 
     def _release_pins(self) -> None:
-        for state in self._requests.values():
-            self._unpin(state, list(state.pinned))
+        for states in self._requests.values():
+            for state in states.values():
+                self._unpin(state, list(state.pinned))
         self._requests.clear()
 
     def _settle(self, flushed: bool = False) -> None:

@@ -2,10 +2,12 @@
 
 One kvd block is one vLLM offload chunk (`blocks_per_chunk` device blocks);
 a rank's slot holds that chunk's pages of every canonical KV tensor, tensor
-after tensor. The default pool name is a digest of everything that decides
-whether two engines' blocks are interchangeable (model, KV dtype, tokens per
-block, parallelism, replication, slot bytes and page layout), so engines
-that can share a pool do, and engines that cannot never meet in one (no
+after tensor. The layout names the engine's KV cache groups (`Layout.groups`,
+from `kvd_groups`, which `KvdOffloadingConnector` sets). The default pool
+name is a digest of everything that decides whether two engines' blocks are
+interchangeable (model, KV dtype, tokens per block, parallelism,
+replication, slot bytes, page layout and KV cache groups), so engines that
+can share a pool do, and engines that cannot never meet in one (no
 `LAYOUT_MISMATCH` by accident).
 """
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd_client.protocol import Layout
+from kvd_client.vllm.groups import groups_of
 
 DEFAULT_CAPACITY_BYTES = 4 << 30
 
@@ -49,6 +52,7 @@ def choose_pool(config: Any) -> PoolChoice:
         replicated=replicated,
         slot_bytes=config.worker_kv_bytes_per_block * bpc,
         extra=fingerprint,
+        groups=groups_of(extra.get("kvd_groups") or ()),
     )
     name = extra.get("kvd_pool") or default_pool_name(layout)
     capacity = extra.get("kvd_capacity_bytes")
@@ -63,6 +67,6 @@ def choose_pool(config: Any) -> PoolChoice:
 def default_pool_name(layout: Layout) -> str:
     text = repr(
         (layout.model, layout.dtype, layout.block_tokens, layout.world_size,
-         layout.replicated, layout.slot_bytes, layout.extra)
+         layout.replicated, layout.slot_bytes, layout.extra, layout.groups)
     )  # fmt: skip
     return "vllm-" + hashlib.sha256(text.encode()).hexdigest()[:16]

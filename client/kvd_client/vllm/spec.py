@@ -5,7 +5,11 @@ TP worker (`get_worker`). Extra-config keys: `kvd_endpoint` (default
 `KVD_ENDPOINT`, then the default runtime dir), `kvd_pool` (default derived,
 `kvd_client.vllm.pool`), `kvd_capacity_bytes` (the pool's size when this
 engine creates it). A pool whose layout does not match, or a KV cache kvd
-cannot hold, is one log line and offloading off for this engine.
+cannot hold, is one log line and offloading off for this engine. Engines
+of several KV cache groups (hybrid models) are served, each group looked
+up by its kind (`kvd_client.vllm.groups`), and so are offload blocks of
+several device blocks (vLLM's `block_size` or `blocks_per_chunk` extra
+key: a kvd block is then one chunk).
 `kvd_ready_table` (default true): look up from the pool's ready table where
 it can be mapped; false: every lookup is a round trip that also pins.
 kvd runs only under `KvdOffloadingConnector` (it sets `kvd_connector`):
@@ -30,6 +34,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvd_client.errors import KvdError
 from kvd_client.scheduler import Scheduler
 from kvd_client.settings import ClientSettings
+from kvd_client.vllm.groups import window_groups
 from kvd_client.vllm.manager import KvdOffloadingManager
 from kvd_client.vllm.metrics import metric_definitions
 from kvd_client.vllm.pool import choose_pool
@@ -65,12 +70,8 @@ class KvdOffloadingSpec(OffloadingSpec):
             )
         if self.extra_config.get("kvd_refuse"):
             return str(self.extra_config["kvd_refuse"])  # set by KvdOffloadingConnector
-        if len(self.config.groups) != 1:
-            return f"{len(self.config.groups)} KV cache groups (kvd holds one)"
         if self.config.canonical_layout:
             return "the canonical host layout (kvd stores each worker's pages)"
-        if self.blocks_per_chunk != 1:
-            return f"blocks_per_chunk {self.blocks_per_chunk} (kvd stores one block a chunk)"
         return None
 
     def get_manager(self) -> OffloadingManager:
@@ -99,6 +100,7 @@ class KvdOffloadingSpec(OffloadingSpec):
                 scheduler,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 writers=1 if layout.replicated else layout.world_size,
+                window_groups=window_groups(layout.groups),
             )
         return self._manager
 
@@ -118,5 +120,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 engine_id=self.config.engine_id,
                 rank=self.config.parallel.rank,
                 capacity_bytes=self.choice.capacity_bytes,
+                blocks_per_chunk=self.blocks_per_chunk,
             )
         return self._worker

@@ -1,11 +1,20 @@
 """Runs in a vLLM TP worker: vLLM's `OffloadingWorker`, copying between its KV tensors and kvd.
 
 vLLM hands the worker its canonical KV caches: per tensor, a `(num_blocks,
-page_bytes)` int8 view. The rank's slot of a kvd block holds one offload
-chunk's pages of every tensor, tensor after tensor:
+page_bytes)` int8 view, and per KV cache group the tensors its layers are
+in. The rank's slot of a kvd block holds one offload chunk's pages of every
+tensor, tensor after tensor (one row covers every tensor, as in vLLM's own
+CPU offloading; a block of group g fills the tensors of group g):
 
     slot of rank r = row b + slot(r) * slot_stride
     | tensor 0: page x blocks_per_chunk | tensor 1: ... | ... |
+
+A spec's device blocks come group by group (`group_sizes`); a group's first
+block is block `block_indices[g]` of its request, so with `blocks_per_chunk`
+> 1 (vLLM's `block_size` extra key) it may start inside its first chunk:
+device block i of the group is page `(skip + i) % blocks_per_chunk` of
+the group's chunk `(skip + i) // blocks_per_chunk`, `skip = block_indices[g]
+% blocks_per_chunk`, as vLLM's CPU worker reads it.
 
 vLLM's own transfer channel names the copies (`submit_store` /
 `submit_load`, with device block ids and kvd slot ids that the scheduler
@@ -20,7 +29,8 @@ No exception from kvd leaves `submit_*` (SPEC section 12), and vLLM, which
 asserts that every transfer succeeded, is told each one did. A load the
 worker cannot serve (its segment is gone, the manager could not pin it, the
 copy failed, or it comes past its deadline) leaves its device blocks in
-`load_errors`, which `KvdOffloadingConnector` hands to vLLM to recompute (the
+`load_errors` and its job in `failed_loads`, which `KvdOffloadingConnector`
+hands to vLLM to recompute, block by block or per request (the
 spec turns kvd off under vLLM's plain connector, which could not). A store
 copies nothing past its deadline or once vLLM reset the cache since its
 prepare (`StepNotes`, each step from the scheduler side), and one whose
@@ -35,6 +45,7 @@ import math
 import time
 from collections import OrderedDict
 
+import numpy as np
 import posix_ipc
 import torch
 from vllm.v1.kv_offload.base import (
@@ -69,19 +80,23 @@ class KvdOffloadingWorker(OffloadingWorker):
         engine_id: str,
         rank: int,
         capacity_bytes: int | None = None,
+        blocks_per_chunk: int = 1,
     ) -> None:
-        # One device block a chunk: the spec turns offloading off otherwise.
         self._device = [t.tensor.view(torch.int8).view(t.tensor.shape[0], -1)
                         for t in kv_caches.tensors]  # fmt: skip
         pages = [d.shape[1] for d in self._device]
-        if sum(pages) != layout.slot_bytes:
+        self._chunk = blocks_per_chunk  # device blocks in a kvd block
+        if sum(pages) * blocks_per_chunk != layout.slot_bytes:
             # The scheduler side is on and would complete stores this worker
             # could not write, so this stops the engine at start, clearly.
             raise BadRequest(
-                f"vLLM's pages ({sum(pages)} bytes a block) do not fill the pool's "
-                f"slot of {layout.slot_bytes} bytes"
+                f"vLLM's pages ({sum(pages)} bytes a block, {blocks_per_chunk} blocks a "
+                f"chunk) do not fill the pool's slot of {layout.slot_bytes} bytes"
             )
-        self._offsets = [sum(pages[:i]) for i in range(len(pages))]
+        self._offsets = [sum(pages[:i]) * blocks_per_chunk for i in range(len(pages))]
+        # Per KV cache group, the tensors its layers are in (vLLM's group_data_refs).
+        self._group_tensors = [sorted({ref.tensor_idx for ref in refs})
+                               for refs in kv_caches.group_data_refs]  # fmt: skip
         self._rank = rank
         self._layout = layout
         self._pool = pool
@@ -90,6 +105,7 @@ class KvdOffloadingWorker(OffloadingWorker):
         self._segments: OrderedDict[int, tuple[Mapping, list[torch.Tensor]]] = OrderedDict()
         self._results: list[TransferResult] = []
         self.load_errors: set[int] = set()  # device blocks of loads not served
+        self.failed_loads: set[int] = set()  # their jobs
         self.reports_load_errors = False  # set by KvdOffloadingConnector
         self._notes: StepNotes | None = None  # this step's, from the scheduler side
         self._copies: dict[int, bool] = {}  # store token -> copied, not reported yet
@@ -137,8 +153,10 @@ class KvdOffloadingWorker(OffloadingWorker):
         g = mapping.geometry
         flat = torch.frombuffer(mapping.mm, dtype=torch.int8)
         base = g.slot_offset(0, self._rank)
-        host = [
-            flat.as_strided((g.num_blocks, d.shape[1]), (g.row_bytes, 1), base + off)
+        host = [  # per tensor: (kvd block, device block in it, page bytes)
+            flat.as_strided(
+                (g.num_blocks, self._chunk, d.shape[1]), (g.row_bytes, d.shape[1], 1), base + off
+            )
             for d, off in zip(self._device, self._offsets, strict=True)
         ]
         self._segments[reply.generation] = (mapping, host)
@@ -207,15 +225,15 @@ class KvdOffloadingWorker(OffloadingWorker):
         nbytes = 0
         try:  # the boundary: a load not served is recomputed, never an engine stopped
             if getattr(src_spec, "generation", UNSERVABLE) == UNSERVABLE:
-                self._load_error(dst_spec)  # the manager could not pin it, and counted it
+                self._load_error(job_id, dst_spec)  # the manager could not pin it, and counted it
             elif (why := self._late(src_spec)) is not None:
                 self._failures.note("load copy", f"job {job_id}: {why}", "recomputed")
-                self._load_error(dst_spec)
+                self._load_error(job_id, dst_spec)
             else:
                 nbytes = self._copy(dst_spec, src_spec, store=False)
         except Exception as exc:
             self._failures.note("load copy", f"job {job_id}: {exc}", "recomputed")
-            self._load_error(dst_spec)
+            self._load_error(job_id, dst_spec)
             nbytes = 0
         self._results.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
         return True
@@ -227,17 +245,50 @@ class KvdOffloadingWorker(OffloadingWorker):
         if len(device.block_ids) == 0:  # nothing to copy, no segment to map
             return 0
         host_views = self._segment(getattr(pool, "generation", UNSERVABLE))[1]
-        ids = torch.from_numpy(device.block_ids.astype("int64"))
-        slot_ids = torch.from_numpy(pool.block_ids.astype("int64"))
         nbytes = 0
-        for dev, host in zip(self._device, host_views, strict=True):
-            dev_ids = ids.to(dev.device)  # a GPU's pages go through host memory
-            if store:
-                host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids).cpu())
-            else:
-                dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids).to(dev.device))
-            nbytes += len(dev_ids) * dev.shape[1]
+        for tensors, ids, slot_ids, pages in self._plan(device, pool):
+            for t in tensors:
+                dev, host = self._device[t], host_views[t]
+                dev_ids = ids.to(dev.device)  # a GPU's pages go through host memory
+                if self._chunk == 1:
+                    host = host.select(1, 0)
+                    if store:
+                        host.index_copy_(0, slot_ids, dev.index_select(0, dev_ids).cpu())
+                    else:
+                        dev.index_copy_(0, dev_ids, host.index_select(0, slot_ids).to(dev.device))
+                elif store:
+                    host.index_put_((slot_ids, pages), dev.index_select(0, dev_ids).cpu())
+                else:
+                    dev.index_copy_(0, dev_ids, host[slot_ids, pages].to(dev.device))
+                nbytes += len(dev_ids) * dev.shape[1]
         return nbytes
+
+    def _plan(
+        self, device: GPULoadStoreSpec, pool: CPULoadStoreSpec
+    ) -> list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per KV cache group of the spec: its tensors, device blocks, and for each
+        block the slot and the page in it (module docstring); raises ValueError on
+        a spec whose blocks and slots do not match."""
+        sizes, starts = list(device.group_sizes), list(device.block_indices)
+        if len(sizes) != len(self._group_tensors):
+            raise ValueError(f"{len(sizes)} KV cache groups, not {len(self._group_tensors)}")
+        blocks, slots, plan = 0, 0, []
+        for tensors, size, start in zip(self._group_tensors, sizes, starts, strict=True):
+            if size == 0:
+                continue
+            at = np.arange(size, dtype=np.int64) + start % self._chunk
+            group_slots = pool.block_ids[slots : slots + int(at[-1]) // self._chunk + 1]
+            ids = device.block_ids[blocks : blocks + size].astype(np.int64)
+            plan.append((tensors, torch.from_numpy(ids),
+                         torch.from_numpy(group_slots.astype(np.int64)[at // self._chunk]),
+                         torch.from_numpy(at % self._chunk)))  # fmt: skip
+            blocks, slots = blocks + size, slots + len(group_slots)
+        if blocks != len(device.block_ids) or slots != len(pool.block_ids):
+            raise ValueError(
+                f"{len(device.block_ids)} device blocks and {len(pool.block_ids)} slots "
+                f"do not match (groups {sizes}, {self._chunk} blocks a chunk)"
+            )
+        return plan
 
     def _segment(self, generation: int) -> tuple[Mapping, list[torch.Tensor]]:
         """The mapped segment of `generation`, mapping it by name if need be;
@@ -256,8 +307,14 @@ class KvdOffloadingWorker(OffloadingWorker):
                 ) from exc
         return self._segments[generation]
 
-    def _load_error(self, device: GPULoadStoreSpec) -> None:
+    def _load_error(self, job_id: int, device: GPULoadStoreSpec) -> None:
         self.load_errors.update(int(b) for b in device.block_ids)
+        self.failed_loads.add(job_id)
+
+    def take_failed_loads(self) -> set[int]:
+        """The jobs of the loads not served since the last call."""
+        failed, self.failed_loads = self.failed_loads, set()
+        return failed
 
     def take_copies(self) -> dict[int, bool]:
         """Store copies since the last call, by token: True if copied."""
@@ -290,10 +347,15 @@ class IdleWorker(OffloadingWorker):
     def __init__(self) -> None:
         self._results: list[TransferResult] = []
         self.load_errors: set[int] = set()
+        self.failed_loads: set[int] = set()
         self.reports_load_errors = False
 
     def note(self, notes: StepNotes | None) -> None:
         return
+
+    def take_failed_loads(self) -> set[int]:
+        failed, self.failed_loads = self.failed_loads, set()
+        return failed
 
     def take_copies(self) -> dict[int, bool]:
         return {}
@@ -312,6 +374,7 @@ class IdleWorker(OffloadingWorker):
         expedited: bool = False,
     ) -> bool:
         self.load_errors.update(int(b) for b in dst_spec.block_ids)
+        self.failed_loads.add(job_id)
         self._results.append(TransferResult(job_id, True, 0, 0.0))
         return True
 

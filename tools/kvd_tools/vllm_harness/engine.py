@@ -87,6 +87,34 @@ TINY_DEEPSEEK: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# A tiny Gemma 3 text model: 3 sliding-window layers (window 128) and 1 full
+# attention layer, so vLLM makes 4 KV cache groups (3 sliding, 1 full).
+TINY_GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "sliding_window": 128,
+    "query_pre_attn_scalar": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 
@@ -106,15 +134,15 @@ def write_model(
 
 
 def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The checkpoint tensors of a dense Llama or DeepSeek-V2 (MLA, no q LoRA, no MoE
-    layer), by their Hugging Face names, as vLLM's loaders read them."""
+    """The checkpoint tensors of a dense Llama, Gemma 3 (text) or DeepSeek-V2 (MLA, no
+    q LoRA, no MoE layer), by their Hugging Face names, as vLLM's loaders read them."""
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     ff = config["intermediate_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
     for i in range(layers):
         at = f"model.layers.{i}."
         attn: dict[str, tuple[int, ...]]
-        if config["model_type"] == "llama":
+        if config["model_type"] in ("llama", "gemma3_text"):
             heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
             d = config.get("head_dim", h // heads)
             attn = {"q_proj": (heads * d, h), "k_proj": (kv_heads * d, h),
@@ -135,8 +163,14 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update({f"{at}mlp.{n}.weight": s for n, s in mlp.items()})
         shapes[f"{at}input_layernorm.weight"] = (h,)
         shapes[f"{at}post_attention_layernorm.weight"] = (h,)
+        if config["model_type"] == "gemma3_text":  # per-head q/k norms, norms around the MLP
+            shapes[f"{at}self_attn.q_norm.weight"] = (d,)
+            shapes[f"{at}self_attn.k_norm.weight"] = (d,)
+            shapes[f"{at}pre_feedforward_layernorm.weight"] = (h,)
+            shapes[f"{at}post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (vocab, h)
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (vocab, h)
     return shapes
 
 
@@ -151,10 +185,14 @@ def write_weights(path: Path, config: dict[str, Any], seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in weight_shapes(config).items():
-        if len(shape) == 1:  # an RMSNorm's gain
-            tensors[name] = torch.ones(shape, dtype=dtype)
+        if len(shape) == 1:  # an RMSNorm's gain; Gemma's scales by 1 + weight
+            gemma = config["model_type"].startswith("gemma")
+            tensors[name] = (torch.zeros if gemma else torch.ones)(shape, dtype=dtype)
             continue
-        std = 1.0 if name == "model.embed_tokens.weight" else shape[1] ** -0.5
+        # Gemma scales its embeddings by sqrt(hidden) and ties them to the logits:
+        # N(0, 1/hidden) gives hidden states of size 1 and logits spread over a unit.
+        embed = name == "model.embed_tokens.weight" and not config["model_type"].startswith("gemma")
+        std = 1.0 if embed else shape[1] ** -0.5
         tensors[name] = (torch.randn(shape, generator=generator) * std).to(dtype)
     save_file(tensors, str(path))
 
