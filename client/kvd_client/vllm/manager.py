@@ -558,10 +558,11 @@ class KvdOffloadingManager(OffloadingManager):
     # vLLM 0.33's other manager hooks keep their defaults. `lock` (a no-op): only
     # vLLM's scheduler thread enters this manager; the kvd `Scheduler`'s own thread
     # shares nothing with it but what the `Scheduler` locks itself. `config_info`
-    # (no labels): the facts it would carry, the pool's size and slots, are the
-    # daemon's, set by whichever engine created the pool and renewed by a cold
-    # restart, not fixed for this process as the info metric requires; the daemon
-    # exports them (`kvd_pool_capacity_bytes`, `kvd_pool_capacity_blocks`).
+    # (no labels, as the spec's `config_info_keys` declares none): the facts it
+    # would carry, the pool's size and slots, are the daemon's, set by whichever
+    # engine created the pool and renewed by a cold restart, not fixed for this
+    # process as the info metric requires; the daemon exports them
+    # (`kvd_pool_capacity_bytes`, `kvd_pool_capacity_blocks`).
 
     def _release_pins(self) -> None:
         for states in self._requests.values():
