@@ -10,11 +10,12 @@ a connector. Engines: the reference, one on kvd (stores, then hits after
 vLLM's own cache is reset), a new process on the same pool (served from
 kvd), one with offload blocks of two device blocks (`block_size` 64).
 
-vLLM 0.32's CPU build does not run the other hybrids of issue 26: gpt-oss
-(its MoE layer has no CPU kernel for the mxfp4 weights it is made for, and
-its attention sinks need the Triton/FlashAttention backends) and the Mamba
-hybrids (vLLM's Mamba layers need Triton kernels the CPU build lacks);
-README, vLLM section.
+Not tested here yet: a gpt-oss style model (sliding + full attention, MoE)
+starts and generates on vLLM 0.32's CPU build with dummy weights, but the
+harness writes no gpt-oss weights (`weight_shapes`), and dummy weights leave
+the tokens blind to the KV; a Mamba hybrid (a tiny Jamba, dummy weights)
+does not run on the CPU build: its worker fails at start ("Dimension out of
+range"), without kvd.
 """
 
 from __future__ import annotations
