@@ -78,18 +78,34 @@ class SlotLayout:
         object.__setattr__(self, "layer_offsets", offsets)
 
     @classmethod
-    def of(cls, geometry: Geometry, rank: int, page_bytes: Sequence[int]) -> SlotLayout:
-        """Rank `rank`'s slot in `geometry`; `BadRequest` unless the pages fill the slot."""
+    def of(
+        cls,
+        geometry: Geometry,
+        rank: int,
+        page_bytes: Sequence[int],
+        *,
+        part: int = 0,
+        parts: int = 1,
+    ) -> SlotLayout:
+        """Rank `rank`'s slot in `geometry`; `BadRequest` unless the pages fill the slot.
+
+        A slot may hold `parts` device blocks (vLLM's offload chunk), each block's
+        pages of every layer back to back, block after block; the layout is then
+        that of block `part` of each slot, and the pages fill one part.
+        """
         if rank < 0 or (not geometry.replicated and rank >= geometry.num_slots):
             raise BadRequest(f"rank {rank} has no slot in a pool of {geometry.num_slots} slot(s)")
+        if not 0 <= part < parts:
+            raise BadRequest(f"part {part} of a slot of {parts} part(s)")
         pages = tuple(page_bytes)
-        if sum(pages) != geometry.slot_bytes:
+        if sum(pages) * parts != geometry.slot_bytes:
             raise BadRequest(
-                f"the KV pages of rank {rank} ({len(pages)} layer(s), {sum(pages)} bytes) "
+                f"the KV pages of rank {rank} ({len(pages)} layer(s), {sum(pages)} bytes"
+                f"{f', {parts} blocks a slot' if parts > 1 else ''}) "
                 f"do not match the pool's slot_bytes {geometry.slot_bytes}"
             )
         return cls(
-            geometry.slot_index(rank) * geometry.slot_stride,
+            geometry.slot_index(rank) * geometry.slot_stride + part * sum(pages),
             geometry.row_bytes,
             pages,
             geometry.num_blocks,

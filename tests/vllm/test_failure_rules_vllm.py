@@ -37,7 +37,7 @@ from kvd_tools.launcher import DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess
 from kvd_tools.vllm_harness.engine import write_model
 from kvd_tools.vllm_harness.offload_config import offloading_config as config
-from tests.vllm.test_spec import device, kv_caches_of, pinned, registered
+from tests.vllm.test_spec import device, finish, kv_caches_of, pinned, registered
 
 SLOT = 4096  # bytes a block in `config()`
 
@@ -83,7 +83,7 @@ def store(
     if notes:
         worker.note(manager.step_notes())
     assert worker.submit_store(job_id, device(blocks), spec)
-    assert [r.success for r in worker.get_finished()] == [True]  # vLLM asserts it
+    assert finish(worker, job_id) == {job_id: True}  # vLLM asserts it
     ferry(manager, worker)
 
 
@@ -143,6 +143,7 @@ def test_a_completion_of_an_earlier_session_completes_nothing(between: str) -> N
             assert other.lookup([k]) == 1
             load = manager.prepare_load([k], second)  # type: ignore[list-item]
             assert worker.submit_load(3, load, device([9]))
+            assert finish(worker, 3) == {3: True}
             assert worker.take_load_errors() == set()
             assert tensor[9].eq(7).all()  # J2's bytes
         finally:
@@ -209,8 +210,8 @@ def test_a_reset_fails_the_stores_in_flight_and_releases_the_pins_at_once(
 
 def test_vllm_033s_expedited_load_is_done_on_return_or_reported() -> None:
     """vLLM 0.33 submits a sync load with `expedited=True`, then `wait`s on it, and
-    the request runs in the same step: its bytes are in place when `submit_load`
-    returns, and a load kvd cannot serve is in `load_errors` for vLLM to recompute."""
+    the request runs in the same step: its bytes are in place when `wait` returns,
+    and a load kvd cannot serve is in `load_errors` for vLLM to recompute."""
     with DaemonProcess() as d:
         _s, manager, worker, tensor = plugin(d, kvd_ready_table=False)
         k = key(1)
@@ -223,13 +224,13 @@ def test_vllm_033s_expedited_load_is_done_on_return_or_reported() -> None:
         assert manager.lookup(k, ctx) is LookupResult.HIT  # type: ignore[arg-type]
         load = manager.prepare_load([k], ctx)  # type: ignore[list-item]
         assert worker.submit_load(2, load, device([8]), expedited=True)
-        assert tensor[8].eq(5).all()  # before wait()
         worker.wait({2})
+        assert tensor[8].eq(5).all()  # before get_finished
         assert [(r.job_id, r.success) for r in worker.get_finished()] == [(2, True)]
         assert worker.take_load_errors() == set()
         gone = KvdLoadStoreSpec([0], UNSERVABLE)
         assert worker.submit_load(3, gone, device([9]), expedited=True)
-        worker.wait({3})
+        assert finish(worker, 3) == {3: True}
         assert worker.take_load_errors() == {9}
         manager.shutdown()
         worker.shutdown()
@@ -319,6 +320,7 @@ def test_a_failed_store_copy_is_a_store_failed_not_an_exception() -> None:
         # A failed load copy: handed back to recompute.
         assert worker.submit_load(2, KvdLoadStoreSpec([10**6], out.store_spec.generation),  # type: ignore[attr-defined]
                                   device([4]))  # fmt: skip
+        assert finish(worker, 2) == {2: True}
         assert worker.take_load_errors() == {4}
         manager.shutdown()
         worker.shutdown()
@@ -371,6 +373,7 @@ def test_a_store_copied_after_its_session_was_rolled_back_is_refused() -> None:
         store(manager_a, worker_a, 1, [0], late.store_spec)  # A's deferred copy, late
         load = manager_b.prepare_load([key(2)], ReqContext("b"))  # type: ignore[list-item]
         assert worker_b.submit_load(2, load, device([8]))
+        assert finish(worker_b, 2) == {2: True}
         assert tensor_b[8].eq(2).all(), "A's late copy landed in B's block"
         for manager, worker in ((manager_a, worker_a), (manager_b, worker_b)):
             manager.shutdown()

@@ -26,11 +26,17 @@ def make_backend(
     rank: int,
     *,
     native_min_bytes: int | None = None,
+    part: int = 0,
+    parts: int = 1,
+    loads_wait: bool = False,
 ) -> TransferBackend:
     """The backend for `device` ("cpu", "cuda", "cuda:N"; None: where `kv_caches` live).
 
     `native_min_bytes` is the CPU backend's switch to its native copier
-    (`kvd_client.settings`; None: its default).
+    (`kvd_client.settings`; None: its default). `part` of `parts`: the
+    backend of that device block of slots holding several (`SlotLayout.of`;
+    on CUDA each part's staging is 1/`parts` of the default). `loads_wait`:
+    on CUDA, loads wait for the current stream too (`cuda`).
 
     `BadRequest` for another device or for caches that do not fit the geometry.
     """
@@ -41,9 +47,11 @@ def make_backend(
     if kind == "cpu":
         from kvd_client.backends.cpu import CpuBackend
 
-        return CpuBackend(kv_caches, region, geometry, rank, native_min_bytes=native_min_bytes)
+        return CpuBackend(kv_caches, region, geometry, rank,
+                          native_min_bytes=native_min_bytes, part=part, parts=parts)  # fmt: skip
     if kind == "cuda":
-        from kvd_client.backends.cuda import CudaBackend
+        from kvd_client.backends.cuda import STAGING_BYTES, CudaBackend
 
-        return CudaBackend(kv_caches, region, geometry, rank)
+        return CudaBackend(kv_caches, region, geometry, rank, part=part, parts=parts,
+                           staging_bytes=STAGING_BYTES // parts, loads_wait=loads_wait)  # fmt: skip
     raise BadRequest(f"no transfer backend for device {device!r} (cpu or cuda)")

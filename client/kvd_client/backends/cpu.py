@@ -99,8 +99,10 @@ class CpuBackend(TransferBackend):
         native_min_bytes: int | None = None,
         threads: int | None = None,
         parallel_min_bytes: int = PARALLEL_MIN_BYTES,
+        part: int = 0,
+        parts: int = 1,
     ) -> None:
-        views = BlockViews.build(kv_caches, region, geometry, rank)
+        views = BlockViews.build(kv_caches, region, geometry, rank, part=part, parts=parts)
         if views.device[0].device.type != "cpu":
             raise BadRequest(f"the CPU backend needs CPU tensors, not {views.device[0].device}")
         self.views: BlockViews | None = views

@@ -23,7 +23,14 @@ apart, and torch has no strided async copy), however scattered its device
 blocks are. A store first makes its stream wait for the current (compute)
 stream, so it reads the pages only after the forward pass that wrote them; a
 load does not wait, so its device blocks must not be in use by queued work.
-A CUDA event per job tells `poll` and `wait` when it is done.
+A CUDA event per job tells `poll` and `wait` when it is done. With
+`loads_wait=True` (the vLLM plug-in) a load waits for the current stream
+too: work queued there earlier (vLLM zeroing a block it reallocated) must not
+overwrite what the load brings.
+
+Backends over one region (the parts of slots holding several device blocks,
+`SlotLayout.of`) share its registration: the first registers it, the last
+to close unregisters it.
 
 torch is imported at module level but nothing touches CUDA until a backend
 is built, so this module imports on CPU-only hosts.
@@ -53,6 +60,8 @@ NUM_STREAMS = 2
 STAGING_BYTES = 64 << 20
 _HOST_REGISTER_DEFAULT = 0
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+# (host pointer, bytes) -> backends of this process holding that registration
+_PINNED: dict[tuple[int, int], int] = {}
 
 
 # torch.cuda's Python helpers carry no annotations; these wrappers type them.
@@ -95,28 +104,33 @@ class CudaBackend(TransferBackend):
         *,
         num_streams: int = NUM_STREAMS,
         staging_bytes: int = STAGING_BYTES,
+        part: int = 0,
+        parts: int = 1,
+        loads_wait: bool = False,
     ) -> None:
-        views = BlockViews.build(kv_caches, region, geometry, rank)
+        views = BlockViews.build(kv_caches, region, geometry, rank, part=part, parts=parts)
         device = views.device[0].device
         if device.type != "cuda":
             raise BadRequest(f"the CUDA backend needs CUDA tensors, not {device}")
         self._device = device
-        self._host_ptr = views.host_flat.data_ptr()
+        self._loads_wait = loads_wait
+        self._pin = (views.host_flat.data_ptr(), geometry.size_bytes)
+        self._host_ptr = self._pin[0]
         self._registered = False
         with torch.cuda.device(device):
-            code = int(
-                _cudart().cudaHostRegister(
-                    self._host_ptr, geometry.size_bytes, _HOST_REGISTER_DEFAULT
-                )
-            )
-            if code != 0:
-                hint = " (already registered: close the other backend first)" * (
-                    code == _ALREADY_REGISTERED
-                )
-                raise KvdError(
-                    f"cudaHostRegister of the pool failed: cudaError {code}{hint}",
-                    ErrorCode.INTERNAL,
-                )
+            if self._pin not in _PINNED:
+                code = int(
+                    _cudart().cudaHostRegister(*self._pin, _HOST_REGISTER_DEFAULT)
+                )  # fmt: skip
+                if code != 0:
+                    hint = " (already registered: close the other backend first)" * (
+                        code == _ALREADY_REGISTERED
+                    )
+                    raise KvdError(
+                        f"cudaHostRegister of the pool failed: cudaError {code}{hint}",
+                        ErrorCode.INTERNAL,
+                    )
+            _PINNED[self._pin] = _PINNED.get(self._pin, 0) + 1
             self._registered = True
             try:
                 self._streams = [_new_stream(device) for _ in range(max(1, num_streams))]
@@ -127,7 +141,7 @@ class CudaBackend(TransferBackend):
                     for _ in self._streams
                 ]
             except RuntimeError:
-                _cudart().cudaHostUnregister(self._host_ptr)
+                self._unpin()
                 raise
         self.views: BlockViews | None = views
         # Host slots are back to back (one slot per row, no padding): a stretch
@@ -164,8 +178,9 @@ class CudaBackend(TransferBackend):
         )
         try:
             with torch.cuda.device(self._device):
-                if plan.kind == "store":
-                    # Read the pages only after the forward pass that wrote them.
+                if plan.kind == "store" or self._loads_wait:
+                    # Read the pages only after the forward pass that wrote them;
+                    # a load: write them only after work queued on them.
                     stream.wait_stream(torch.cuda.current_stream(self._device))
                 with torch.cuda.stream(stream):
                     record.start.record(stream)
@@ -207,14 +222,23 @@ class CudaBackend(TransferBackend):
             stream.synchronize()
         self._in_flight.clear()
         self._done.clear()
-        if self._registered:
-            # Nothing may still copy to or from the region when it is unpinned.
-            _cudart().cudaHostUnregister(self._host_ptr)
-            self._registered = False
+        # Nothing may still copy to or from the region when it is unpinned.
+        self._unpin()
         self._staging = []
         self.views = None
 
     # -- internals -------------------------------------------------------------
+
+    def _unpin(self) -> None:
+        """Gives up this backend's hold on the registration; the last one unregisters."""
+        if not self._registered:
+            return
+        self._registered = False
+        left = _PINNED.pop(self._pin) - 1
+        if left:
+            _PINNED[self._pin] = left
+        else:
+            _cudart().cudaHostUnregister(self._host_ptr)
 
     def _finish(self, result: CopyResult) -> None:
         self._done[result.job_id] = result

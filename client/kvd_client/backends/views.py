@@ -192,10 +192,20 @@ class BlockViews:
 
     @classmethod
     def build(
-        cls, kv_caches: KvCaches, region: Buffer, geometry: Geometry, rank: int
+        cls,
+        kv_caches: KvCaches,
+        region: Buffer,
+        geometry: Geometry,
+        rank: int,
+        *,
+        part: int = 0,
+        parts: int = 1,
     ) -> BlockViews:
+        """`part` of `parts`: views of that block of slots holding several
+        (`SlotLayout.of`); the pool blocks are the slots."""
         layers = device_layers(kv_caches)
-        layout = SlotLayout.of(geometry, rank, [t[0].nbytes for t in layers])
+        pages = [t[0].nbytes for t in layers]
+        layout = SlotLayout.of(geometry, rank, pages, part=part, parts=parts)
         try:
             if memoryview(region).readonly:
                 raise BadRequest("the pool region is mapped read-only")

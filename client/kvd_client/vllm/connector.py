@@ -248,10 +248,12 @@ class KvdOffloadingConnector(OffloadingConnector):
         could not serve as `failed_recving` (they are in `finished_recving` too, as
         vLLM wants: the worker reports every job done): vLLM recomputes them."""
         worker = self._kvd_worker()
-        failed = worker.take_failed_loads() if worker is not None else set()
-        jobs = self.connector_worker._load_jobs if self.connector_worker is not None else {}
-        requests = {jobs[job] for job in failed if job in jobs}  # before vLLM pops them
+        # vLLM pops the jobs it reports; the worker settles each job's failure when
+        # vLLM's get_finished reports it, so the failures are taken after.
+        jobs = dict(self.connector_worker._load_jobs) if self.connector_worker is not None else {}
         results = super().get_transfer_results(finished_req_ids)
+        failed = worker.take_failed_loads() if worker is not None else set()
+        requests = {jobs[job] for job in failed if job in jobs}
         if self._failed_per_request:
             results.failed_recving |= requests
         return results

@@ -1,9 +1,10 @@
 """Runs in vLLM's processes: which kvd pool an engine uses, from vLLM's `OffloadingConfig`.
 
 One kvd block is one vLLM offload chunk (`blocks_per_chunk` device blocks);
-a rank's slot holds that chunk's pages of every canonical KV tensor, tensor
-after tensor. The layout names the engine's KV cache groups (`Layout.groups`,
-from `kvd_groups`, which `KvdOffloadingConnector` sets). The default pool
+a rank's slot holds that chunk's device blocks one after the other, each
+block's pages of every canonical KV tensor back to back (`copies`). The
+layout names the engine's KV cache groups (`Layout.groups`, from
+`kvd_groups`, which `KvdOffloadingConnector` sets). The default pool
 name is a digest of everything that decides whether two engines' blocks are
 interchangeable (model, KV dtype, tokens per block, parallelism,
 replication, slot bytes, page layout and KV cache groups), so engines that
@@ -44,6 +45,8 @@ def choose_pool(config: Any) -> PoolChoice:
         f"pcp={config.parallel.pcp_size};dcp={config.parallel.dcp_size};"
         f"weights={extra.get('kvd_weights', '')}"
     )
+    if bpc > 1:  # slots of several blocks were tensor-major before: never read as this
+        fingerprint += ";slot=block-major"
     layout = Layout(
         model=config.model.name,
         dtype=str(config.model.dtype),

@@ -12,6 +12,9 @@ several device blocks (vLLM's `block_size` or `blocks_per_chunk` extra
 key: a kvd block is then one chunk).
 `kvd_ready_table` (default true): look up from the pool's ready table where
 it can be mapped; false: every lookup is a round trip that also pins.
+`kvd_copies` (CPU workers): "thread" (the default) copies on a thread of its
+own, "sync" inside `submit_*` (`kvd_client.vllm.copies`; CUDA workers copy on
+side streams either way).
 kvd runs only under `KvdOffloadingConnector` (it sets `kvd_connector`):
 under vLLM's plain `OffloadingConnector` a load kvd could not serve would be
 computed on as if loaded, so there kvd is off, with one log line.
@@ -34,6 +37,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from kvd_client.errors import KvdError
 from kvd_client.scheduler import Scheduler
 from kvd_client.settings import ClientSettings
+from kvd_client.vllm.copies import CPU_MODES, DEFAULT_CPU_MODE
 from kvd_client.vllm.groups import window_groups
 from kvd_client.vllm.manager import KvdOffloadingManager
 from kvd_client.vllm.metrics import metric_definitions
@@ -112,6 +116,11 @@ class KvdOffloadingSpec(OffloadingSpec):
                             refusal)  # fmt: skip
                 self._worker = IdleWorker()
                 return self._worker
+            copies = str(self.extra_config.get("kvd_copies", DEFAULT_CPU_MODE))
+            if copies not in CPU_MODES:
+                log.warning("kvd_copies %r is not one of %s: %s", copies, CPU_MODES,
+                            DEFAULT_CPU_MODE)  # fmt: skip
+                copies = DEFAULT_CPU_MODE
             self._worker = KvdOffloadingWorker(
                 kv_caches,
                 endpoint=self.endpoint,
@@ -121,5 +130,6 @@ class KvdOffloadingSpec(OffloadingSpec):
                 rank=self.config.parallel.rank,
                 capacity_bytes=self.choice.capacity_bytes,
                 blocks_per_chunk=self.blocks_per_chunk,
+                copies=copies,
             )
         return self._worker
