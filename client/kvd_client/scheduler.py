@@ -398,6 +398,11 @@ class Scheduler:
 
     # -- admin -----------------------------------------------------------------
 
+    def reset(self) -> None:
+        """Empties the pool, for every engine attached to it (`Reset`, allowed to a
+        session attached to the pool); raises `KvdError`, `Unavailable` when down."""
+        self._call(p.Reset, self.pool)
+
     def stats(self) -> p.StatsResult:
         reply = self._call(p.Stats)
         assert isinstance(reply, p.StatsResult)
