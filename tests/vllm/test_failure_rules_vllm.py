@@ -31,7 +31,12 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.scheduler import Scheduler
 from kvd_client.vllm import KvdOffloadingSpec
-from kvd_client.vllm.manager import UNSERVABLE, KvdLoadStoreSpec, KvdOffloadingManager
+from kvd_client.vllm.manager import (
+    RETRY_WAIT_S,
+    UNSERVABLE,
+    KvdLoadStoreSpec,
+    KvdOffloadingManager,
+)
 from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess
@@ -465,10 +470,13 @@ def test_a_store_prepared_by_the_session_a_reconnect_opened_is_failed_not_left()
             manager.shutdown()
 
 
-def test_a_lookup_answers_retry_for_two_leases_at_most() -> None:
+@pytest.mark.parametrize("lease_ms", [200, 600])
+def test_a_lookup_answers_retry_for_a_bounded_time(lease_ms: int) -> None:
     """Another engine's store that never completes (its scheduler stuck, its session
-    kept alive by the keeper): RETRY for two leases, then a miss, counted."""
-    with DaemonProcess(lease_ms="600") as d:
+    kept alive by the keeper): RETRY for RETRY_WAIT_S or two leases, whichever is
+    shorter, then a miss, counted."""
+    bound = min(2 * lease_ms / 1000, RETRY_WAIT_S)
+    with DaemonProcess(lease_ms=str(lease_ms)) as d:
         spec, manager, _, _ = plugin(d)
         stuck = observer(d, spec)
         try:
@@ -485,7 +493,7 @@ def test_a_lookup_answers_retry_for_two_leases_at_most() -> None:
                 time.sleep(0.05)
             waited = time.monotonic() - t0
             assert answers[0] == LookupResult.RETRY and answers[-1] == LookupResult.MISS
-            assert 2 * 0.6 <= waited < 2 * 0.6 + 1.0, waited
+            assert bound <= waited < bound + 0.5, waited
             assert manager._counters._counts.get("retries_given_up") == 1
         finally:
             stuck.close()
