@@ -14,18 +14,25 @@ system and round, two engine processes:
    first and last token timestamps);
 2. a new engine whose own cache is small (`--gpu-blocks`): `ttft_new_engine`
    (its first request of the longest prefix, which the previous process
-   stored; after a warm-up request of other tokens) and `multi_turn`
-   (chat turns one at a time: requests/s, TTFT p50 and p99).
+   stored; after a warm-up request of other tokens), `multi_turn` (chat
+   turns one at a time: requests/s, TTFT p50 and p99) and `trace_replay`
+   (requests of the shared Mooncake trace, every `--trace-every`th, their
+   prefix block ids mapped to tokens, `peers_rows.trace_prompts`);
+3. then a third engine beside it, the two at once: `two_engines` (other
+   conversations, alternate ones on each engine, both engines driven at the
+   same time: their prefixes meet only in the system's shared cache).
 
 `hit_rate` is the share of prompt tokens vLLM took from the connector
 (`vllm:external_prefix_cache_hits`, which vLLM counts for any connector).
 `tokens_equal` compares greedy tokens with the no-connector engine's on the
-same prompts. Rows and the ratio rows: `peers_rows`.
+same prompts (`peers_rows.matches`: equal, or parting only at near-ties;
+`tokens_exact`: equal). Rows and the ratio rows: `peers_rows`.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.util
@@ -41,6 +48,7 @@ from typing import Any
 
 from kvd_tools.bench.lmcache_server import ENV, LMCacheServer, default_venv, missing
 from kvd_tools.bench.peers_rows import SYSTEMS, Sample, Workload, percentile, rows, summarize
+from kvd_tools.bench.replay import load_trace
 from kvd_tools.bench.sizing import footprint_bound, max_total_bytes
 from kvd_tools.bench.suites import SuiteError
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
@@ -79,10 +87,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not systems or set(systems) - set(SYSTEMS):
         raise SuiteError(f"--systems {args.systems!r}: a list of {', '.join(SYSTEMS)}")
     samples: list[Sample] = []
+    trace = _trace(args)
+    if args.hook_times is not None and "kvd" in systems:
+        args.hook_times.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-peers-") as tmp:
         model = write_model(Path(tmp) / "llama", BENCH_LLAMA)
         for r in range(args.rounds):
-            work = Workload.draw(args, BENCH_LLAMA["vocab_size"], seed=1000 + r)
+            work = Workload.draw(args, BENCH_LLAMA["vocab_size"], seed=1000 + r, trace=trace)
             check_sizes(args, work)
             for system in systems:
                 t0 = time.monotonic()
@@ -90,9 +101,25 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     samples += first_engine(r, system, srv, work, args, model)
                     samples += second_engine(r, system, srv, work, args, model)
                 _progress(f"round {r + 1}/{args.rounds} {system}: {time.monotonic() - t0:.0f} s")
+    if args.hook_times is not None and "kvd" in systems:
+        from kvd_tools.vllm_harness.hook_times import report
+
+        for line in report(args.hook_times):
+            _progress(f"kvd hooks: {line}")
     if args.dump is not None:  # every sample, tokens included, to see where tokens part
         args.dump.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
     return rows(samples)
+
+
+def _trace(args: argparse.Namespace) -> list[list[int]]:
+    """The replayed requests' block ids: every `--trace-every`th request of the
+    trace, the first `--trace-requests` of those (none with 0)."""
+    if args.trace_requests == 0:
+        return []
+    from kvd_tools.bench.trace import default_trace
+
+    requests = load_trace(args.trace or default_trace())
+    return [list(ids) for ids in requests[:: args.trace_every][: args.trace_requests]]
 
 
 def check_sizes(args: argparse.Namespace, work: Workload) -> None:
@@ -114,7 +141,8 @@ def serving(system: str, args: argparse.Namespace, venv: Path) -> Iterator[Servi
         with DaemonProcess(base=flags) as daemon:
             extra = {"kvd_endpoint": daemon.endpoint, "kvd_pool": "bench-peers",
                      "kvd_capacity_bytes": pool}  # fmt: skip
-            yield Serving({"kvd": extra})
+            timed = {"hook_times": str(args.hook_times)} if args.hook_times is not None else {}
+            yield Serving({"kvd": extra, **timed})
     elif system == "lmcache":
         server = LMCacheServer(
             venv, args.l1_gb, shlex.split(args.lmcache_args), args.lmcache_transport
@@ -151,13 +179,54 @@ class Reply:
     ttft: float
     step: float | None
     seconds: float
+    logprobs: list[list[tuple[int, float]]]
+
+
+TOP_LOGPROBS = 5  # asked with every request: they tell a near-tie from a wrong token
 
 
 def ask(proc: EngineProcess, prompt: list[int], max_tokens: int) -> Reply:
-    reply = proc.ask({"prompts": [prompt], "max_tokens": max_tokens, "timings": True})
+    reply = proc.ask({"prompts": [prompt], "max_tokens": max_tokens, "timings": True,
+                      "logprobs": TOP_LOGPROBS})  # fmt: skip
     first, step = reply["timings"][0]
     seconds = float(reply["seconds"])
-    return Reply(reply["tokens"][0], float(first) if first is not None else seconds, step, seconds)
+    tops = [[(int(i), float(lp)) for i, lp in top] for top in reply["logprobs"][0]]
+    ttft = float(first) if first is not None else seconds
+    return Reply(reply["tokens"][0], ttft, step, seconds, tops)
+
+
+@dataclass
+class Served:
+    """What a run of requests on one engine gave, to make a `Sample` of."""
+
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+    steps: list[float | None] = dataclasses.field(default_factory=list)
+    tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    logprobs: list[list[list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0  # in `LLM.generate`: the bench's own round trips are not counted
+
+    def add(self, one: Reply) -> None:
+        self.ttfts.append(one.ttft)
+        self.steps.append(one.step)
+        self.tokens.append(one.tokens)
+        self.logprobs.append(one.logprobs)
+        self.seconds += one.seconds
+
+    def sample(self, r: int, system: str, measure: str, prompt_tokens: int, **more: Any) -> Sample:
+        return Sample(r, system, measure, prompt_tokens, ttft_ms=_ms(self.ttfts),
+                      step_ms=_ms(self.steps), tokens=self.tokens, logprobs=self.logprobs,
+                      **more)  # fmt: skip
+
+    def serving(self, r: int, system: str, measure: str, prompts: list[list[int]],
+                served: float, wall: float | None = None) -> Sample:  # fmt: skip
+        """A serving measure's sample: requests/s over `wall` seconds (default: the
+        seconds inside the engine), TTFT p50 and p99, the share of prompt tokens
+        the connector `served`."""
+        total = sum(len(q) for q in prompts)
+        return self.sample(r, system, measure, total // len(prompts),
+                           requests_per_s=len(prompts) / (wall or self.seconds),
+                           hit_rate=served / total,
+                           ttft_p99_ms=percentile(self.ttfts, 0.99) * 1e3)  # fmt: skip
 
 
 def hits(proc: EngineProcess, above: float | None = None, wait_s: float = 3.0) -> float:
@@ -196,26 +265,26 @@ def first_engine(
             if system != "none":
                 ask(proc, prompt, 1)  # misses, and the connector stores it
                 settle(proc, prompt)
-            ttfts, tokens = [], []
+            got = Served()
             before = hits(proc)
             for _ in range(samples):
                 proc.reset_prefix_cache()  # vLLM's own cache is empty: the connector serves
                 one = ask(proc, prompt, 1)
-                ttfts.append(one.ttft)
-                if one.tokens not in tokens:  # one entry where every sample agrees
-                    tokens.append(one.tokens)
+                if not got.tokens or one.tokens != got.tokens[0]:  # one entry if all agree
+                    got.add(one)
+                else:
+                    got.ttfts.append(one.ttft)
             served = hits(proc, above=before if system != "none" else None) - before
-            _progress(f"{system} ttft_cached {n}: {(_ms(ttfts) or 0):.0f} ms")
-            out.append(Sample(r, system, "ttft_cached", n, ttft_ms=_ms(ttfts),
-                              hit_rate=served / (samples * n), tokens=tokens))  # fmt: skip
-        steps, ttfts, tokens = [], [], []
+            _progress(f"{system} ttft_cached {n}: {(_ms(got.ttfts) or 0):.0f} ms")
+            out.append(got.sample(r, system, "ttft_cached", n, hit_rate=served / (samples * n)))
+        got = Served()
+        before = hits(proc)
         for prompt in work.decode:
-            one = ask(proc, prompt, args.decode_tokens)
-            steps.append(one.step)
-            ttfts.append(one.ttft)
-            tokens.append(one.tokens)
-        out.append(Sample(r, system, "decode_step", len(work.decode[0]), ttft_ms=_ms(ttfts),
-                          step_ms=_ms(steps), hit_rate=0.0, tokens=tokens))  # fmt: skip
+            got.add(ask(proc, prompt, args.decode_tokens))
+        served = hits(proc) - before  # fresh prompts: 0 unless something is wrong
+        total = sum(len(q) for q in work.decode)
+        out.append(got.sample(r, system, "decode_step", len(work.decode[0]),
+                              hit_rate=served / total))  # fmt: skip
     return out
 
 
@@ -224,31 +293,64 @@ def second_engine(
 ) -> list[Sample]:
     n = max(work.ttft)
     length = min(args.gpu_blocks * BLOCK_SIZE, max(n, work.longest_chat + args.max_tokens) + 64)
-    with engine(srv, model, max_model_len=length, num_gpu_blocks=args.gpu_blocks) as proc:
+    small = {"max_model_len": length, "num_gpu_blocks": args.gpu_blocks}
+    with engine(srv, model, **small) as proc:
         ask(proc, work.warmup[::-1], 1)  # not a prefix of anything stored
         before = hits(proc)
-        first = ask(proc, work.ttft[n], 1)
+        first = Served()
+        first.add(ask(proc, work.ttft[n], 1))
         served = hits(proc, above=before if system != "none" else None) - before
-        out = [Sample(r, system, "ttft_new_engine", n, ttft_ms=first.ttft * 1e3,
-                      hit_rate=served / n, tokens=[first.tokens])]  # fmt: skip
-        before = hits(proc)
-        ttfts, steps, tokens = [], [], []
-        seconds = 0.0  # in `LLM.generate`: the bench's own round trips are not counted
-        for prompt in work.chat:
-            one = ask(proc, prompt, args.max_tokens)
-            ttfts.append(one.ttft)
-            steps.append(one.step)
-            tokens.append(one.tokens)
-            seconds += one.seconds
-        served = hits(proc, above=before if system != "none" else None) - before
-        total = sum(len(q) for q in work.chat)
-        out.append(Sample(
-            r, system, "multi_turn", total // len(work.chat),
-            ttft_ms=_ms(ttfts), step_ms=_ms(steps),
-            requests_per_s=len(work.chat) / seconds, hit_rate=served / total,
-            ttft_p99_ms=percentile(ttfts, 0.99) * 1e3, tokens=tokens,
-        ))  # fmt: skip
+        out = [first.sample(r, system, "ttft_new_engine", n, hit_rate=served / n)]
+        serving = [("multi_turn", work.chat, args.max_tokens),
+                   ("trace_replay", work.trace, args.trace_max_tokens)]  # fmt: skip
+        for measure, prompts, max_tokens in serving:
+            if not prompts:
+                continue
+            before = hits(proc)
+            got = Served()
+            for prompt in prompts:
+                got.add(ask(proc, prompt, max_tokens))
+            served = hits(proc, above=before if system != "none" else None) - before
+            out.append(got.serving(r, system, measure, prompts, served))
+            _progress(f"{system} {measure}: {out[-1].requests_per_s:.2f} requests/s")
+        if work.chat2:
+            with engine(srv, model, **small) as other:
+                out.append(two_engines(r, system, (proc, other), work, args))
     return out
+
+
+def two_engines(
+    r: int,
+    system: str,
+    procs: tuple[EngineProcess, EngineProcess],
+    work: Workload,
+    args: argparse.Namespace,
+) -> Sample:
+    """Both engines at once, each its own conversations in order (alternate ones
+    of `chat2`): requests/s of the two over the wall-clock time, TTFT, and the
+    share of prompt tokens the connector served either."""
+    before = [hits(p) for p in procs]
+    mine = [[q for e, q in work.chat2 if e == n] for n in (0, 1)]
+
+    def drive(n: int) -> Served:
+        got = Served()
+        for prompt in mine[n]:
+            got.add(ask(procs[n], prompt, args.max_tokens))
+        return got
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(drive, (0, 1)))
+    wall = time.monotonic() - t0  # includes the bench's round trips: the same for every system
+    served = sum(hits(p, above=b if system != "none" else None) - b
+                 for p, b in zip(procs, before, strict=True))  # fmt: skip
+    both = Served()
+    for got in results:  # engine 0's, then engine 1's, as the reference's
+        for field_name in ("ttfts", "steps", "tokens", "logprobs"):
+            getattr(both, field_name).extend(getattr(got, field_name))
+    sample = both.serving(r, system, "two_engines", [*mine[0], *mine[1]], served, wall)
+    _progress(f"{system} two_engines: {sample.requests_per_s:.2f} requests/s")
+    return sample
 
 
 def _ms(seconds: list[float] | list[float | None]) -> float | None:

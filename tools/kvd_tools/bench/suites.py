@@ -117,6 +117,17 @@ def positive_int(text: str) -> int:
     return values[0]
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: one integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -487,16 +498,16 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-samples",
         type=positive_int,
-        default=4,
+        default=8,
         metavar="N",
-        help="128-token prompts timed for the decode step a round (default: 4)",
+        help="128-token prompts timed for the decode step a round (default: 8)",
     )
     p.add_argument(
         "--decode-tokens",
         type=positive_int,
-        default=64,
+        default=128,
         metavar="N",
-        help="tokens generated for each decode sample (default: 64)",
+        help="tokens generated for each decode sample (default: 128)",
     )
     p.add_argument(
         "--conversations",
@@ -539,6 +550,51 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         metavar="N",
         help="multi-turn: tokens generated a request (default: 16)",
+    )
+    p.add_argument(
+        "--hook-times",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="time kvd's connector hooks in every kvd engine process, one JSON file "
+        "a process in DIR, summed up under the table (where a step's time goes)",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="trace_replay: a JSONL trace of hash_ids (default: the shared Mooncake trace)",
+    )
+    p.add_argument(
+        "--trace-requests",
+        type=non_negative_int,
+        default=200,
+        metavar="N",
+        help="trace_replay: requests replayed, 0 for none (default: 200)",
+    )
+    p.add_argument(
+        "--trace-every",
+        type=positive_int,
+        default=20,
+        metavar="K",
+        help="trace_replay: every Kth request of the trace, so that the replayed "
+        "ones span it and its prefixes recur (default: 20)",
+    )
+    p.add_argument(
+        "--trace-max-tokens",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="trace_replay: tokens generated a request (default: 4)",
+    )
+    p.add_argument(
+        "--trace-block-tokens",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="trace_replay: tokens a trace block stands for (the trace's are 512; "
+        "default: 16, so a request is hundreds of tokens on this CPU)",
     )
     p.add_argument(
         "--gpu-blocks",
@@ -699,6 +755,8 @@ SUITES: dict[str, Suite] = {
             "samples": 1,
             "decode_samples": 1,
             "decode_tokens": 16,
+            "trace_requests": 8,
+            "trace_block_tokens": 4,
             "conversations": 2,
             "turns": 2,
             "system_tokens": 256,

@@ -31,13 +31,15 @@ connector than kvd's: `kvd bench peers` runs LMCache's), `tp`, `max_model_len`,
 `num_gpu_blocks` (vLLM's `num_gpu_blocks_override`), `dtype`, `load_format` (default:
 "safetensors" where the directory holds weights, else "dummy"), and
 `corrupt_loads` (true: every page kvd loads is zeroed after its copy, see
-`corrupt_loads`; the check that a comparison can fail). vLLM spawns
+`corrupt_loads`; the check that a comparison can fail) or `hook_times` (a
+directory: each process's time in kvd's hooks, see `hook_times`). vLLM spawns
 processes of its own, so everything runs under `__main__`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -238,6 +240,9 @@ def main(config: dict[str, Any]) -> None:
         transfer = kv_transfer_config(config["kvd"])
         if config.get("corrupt_loads"):  # the same connector, its worker's loads zeroed
             transfer["kv_connector_module_path"] = "kvd_tools.vllm_harness.corrupt_loads"
+        elif config.get("hook_times"):  # the same connector, its hooks timed
+            os.environ["KVD_HOOK_TIMES"] = str(config["hook_times"])  # for vLLM's children
+            transfer["kv_connector_module_path"] = "kvd_tools.vllm_harness.hook_times"
         kwargs["kv_transfer_config"] = KVTransferConfig(**transfer)
     elif config.get("kv_transfer") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**config["kv_transfer"])
