@@ -77,6 +77,11 @@ log = logging.getLogger("kvd_client.vllm")
 UNSERVABLE = -1  # the generation of a load spec whose slots kvd could not pin
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 _NO_GROUPS: dict[int, _Request] = {}  # a request not looked up (never written to)
+# Round trips a window group's scan back may add in one step past the first
+# miss, without the ready table (`_scan_on`): vLLM stores a sliding group's
+# chunks only up to its prompt's last full chunk, so the chunk its lookup
+# starts from is often missing and the window is just before it.
+SCAN_TRIPS = 4
 
 
 class KvdLoadStoreSpec(CPULoadStoreSpec):
@@ -293,20 +298,60 @@ class KvdOffloadingManager(OffloadingManager):
             for key, slot in zip(keys[:hits], spec.slots, strict=True):
                 state.pinned[key] = _Pin(slot, generation, session)
             self._counters.add("lookup_hit_keys", hits)
+        if window and hits is not None:  # vLLM's scan back goes on past a miss
+            state.scanned, state.scan_trips = set(keys[: hits + 1]), SCAN_TRIPS
         return state
 
     def _scan_on(self, state: _Request, key: bytes, ctx: ReqContext) -> None:
         """vLLM's scan back over a window group went on past the miss that ended
         the run found this step: the run from `key` back, from the ready table
-        (no message; a key being stored reads as a miss, and is recomputed)."""
+        (no message), or over a round trip that pins it, `SCAN_TRIPS` at most a
+        step (then a miss). A key being stored reads as a miss, and is recomputed."""
         assert self._scheduler is not None and state.scanned is not None
         positions: dict[bytes, int] = getattr(ctx, "_offload_key_positions", {})
         keys = lookup_order(positions, key, window=True)
+        if not state.from_table:
+            if state.scan_trips <= 0:
+                state.scanned.add(key)
+                return
+            state.scan_trips -= 1
+            state.scanned.update(keys[: self._pin_run(state, keys) + 1])
+            return
         hits = self._scheduler.lookup(keys) or 0
         state.scanned.update(keys[: hits + 1])
         state.hit_keys = (state.hit_keys or frozenset()) | frozenset(keys[:hits])
         self._counters.add("lookup_keys", len(keys))
         self._counters.add("lookup_hit_keys", hits)
+
+    def _pin_run(self, state: _Request, keys: list[bytes]) -> int:
+        """One round trip that pins the leading ready keys of `keys` into `state`;
+        how many (0 where the daemon refuses, or a key is being stored)."""
+        assert self._scheduler is not None
+        self._counters.add("lookup_rpcs")
+        self._counters.add("lookup_keys", len(keys))
+        try:
+            hits, spec = self._scheduler.lookup_and_pin(keys)
+        except Exception as exc:  # the boundary: the rest of the scan reads as misses
+            log.info("kvd lookup answered as a miss: %s", exc)
+            self._counters.add("daemon_errors")
+            return 0
+        if not hits or len(spec.slots) != hits:  # None, 0, or a daemon that does not pin
+            if spec.slots:
+                self._unpin_slots(keys[: len(spec.slots)])
+            return 0
+        generation, session = self._generation(), self._session()
+        for key, slot in zip(keys[:hits], spec.slots, strict=True):
+            state.pinned[key] = _Pin(slot, generation, session)
+            state.index.setdefault(key, len(state.index))
+        self._counters.add("lookup_hit_keys", hits)
+        return hits
+
+    def _unpin_slots(self, keys: list[bytes]) -> None:
+        assert self._scheduler is not None
+        try:
+            self._scheduler.complete_load(keys)
+        except Exception as exc:  # the boundary: the daemon rolls them back
+            self._failures.note("complete_load", exc, "pins left to the daemon")
 
     # -- loads -------------------------------------------------------------------
 

@@ -49,7 +49,9 @@ class Request:
     hit_keys: frozenset[bytes] | None = None
     # Monotonic time of the first of the lookups in a row that answered RETRY.
     retry_since: float | None = None
-    # A window group's, from the ready table: every key looked up this step (the
-    # hits and the miss that ended each run); vLLM's scan back goes on past a
-    # miss, and a key beyond those is looked up then (`_scan_on`).
+    # A window group's: every key looked up this step (the hits and the miss
+    # that ended each run); vLLM's scan back goes on past a miss, and a key
+    # beyond those is looked up then (`_scan_on`), without the ready table in
+    # `scan_trips` more round trips at most.
     scanned: set[bytes] | None = None
+    scan_trips: int = 0
