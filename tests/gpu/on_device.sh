@@ -13,6 +13,14 @@
 #
 # kvd and kvd_client run from the tree (PYTHONPATH); the CUDA backend needs no
 # compiled part of kvd_client. Exit status: non-zero if either step failed.
+#
+# tests/gpu holds the vLLM plug-in's copies too (test_vllm_copies_cuda.py:
+# `kvd_client.vllm.copies`, which imports no vLLM, on tensors shaped as vLLM's
+# canonical KV caches): bytes round trip, store and load GB/s against a plain
+# pinned copy_ (goal >= 0.9x, figures in $OUT/vllm_copies.json), no host
+# synchronization inside submit. vLLM itself is not installed there: its CUDA
+# wheels (hundreds of MB, with their CUDA dependencies) exceed what a run
+# carries (64 MiB), and the machine cannot download.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-/tmp/kvd-gpu}
@@ -26,7 +34,7 @@ export PYTHONPATH="$PWD:$PWD/client:$site" PYTHONUNBUFFERED=1
 # Skipped CUDA tests must not pass for a run: no device is a failure here.
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" \
     || { echo "on_device: torch sees no CUDA device" | tee -a "$out/device.txt"; exit 3; }
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt"
+OUT="$out" timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/tests.txt"
 tests=${PIPESTATUS[0]}
 timeout 240 python3 -m kvd bench transfer --device cuda --json "$out/transfer_cuda.json" 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}

@@ -90,10 +90,10 @@ NULLABLE: dict[str, set[str]] = {
 # Rows a suite reports beyond the SPEC's, by their first field.
 EXTRA_SHAPES: dict[str, set[str]] = {
     "remote": {"lookup_keys", "trace"},  # remote lookup latency, the two-host replay
-    "vllm": {"workload"},  # multi-turn (not in --quick)
+    "vllm": {"workload", "copies"},  # multi-turn (not in --quick); a decode step's copies
 }
-STRINGS = {"layout", "policy", "trace", "variant", "model", "system", "measure"}
-BOOLS = {"tokens_equal"}
+STRINGS = {"layout", "policy", "trace", "variant", "model", "system", "measure", "copies"}
+BOOLS = {"tokens_equal", "stores_copied"}
 # Figures that must be above 0: rates, ratios, times, sizes.
 POSITIVE = (
     "ratio", "speedup", "_gbps", "_us", "_ms", "ops_per_s", "requests_per_s", "_per_block",

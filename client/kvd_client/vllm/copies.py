@@ -47,7 +47,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import posix_ipc
 import torch
 
@@ -59,7 +58,7 @@ from kvd_client.worker import Mapping
 
 KEEP_SEGMENTS = 3  # segments (generations of the pool) kept mapped
 CPU_MODES = ("thread", "sync")
-DEFAULT_CPU_MODE = "thread"  # measured: docs/benchmarks.md, "copies on a thread"
+DEFAULT_CPU_MODE = "sync"  # measured no slower on 2 cores: docs/benchmarks.md, kvd bench vllm
 
 
 @dataclass(slots=True)
@@ -200,45 +199,48 @@ class Copies:
 
     def plan(
         self,
-        device_ids: np.ndarray,
+        device_ids: Sequence[int],
         group_sizes: Sequence[int],
         block_indices: Sequence[int],
-        slot_ids: np.ndarray,
-    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        slot_ids: Sequence[int],
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Per block of a chunk (part): its device blocks and their slots (module
-        docstring); ValueError for a spec whose blocks and slots do not match."""
+        docstring); ValueError for a spec whose blocks and slots do not match.
+        The ids may be numpy arrays (vLLM's), lists or tensors."""
         c = self._chunk
         if len(group_sizes) != self._groups or len(block_indices) != self._groups:
             raise ValueError(f"{len(group_sizes)} KV cache groups, not {self._groups}")
+        device_all = torch.as_tensor(device_ids, dtype=torch.int64)
+        slot_all = torch.as_tensor(slot_ids, dtype=torch.int64)
         devs, slots, parts = [], [], []
         b = s = 0
         for size, start in zip(group_sizes, block_indices, strict=True):
             if size == 0:
                 continue
-            at = np.arange(size, dtype=np.int64) + start % c
+            at = torch.arange(size, dtype=torch.int64) + start % c
             count = int(at[-1]) // c + 1
-            if b + size > len(device_ids) or s + count > len(slot_ids):
+            if b + size > len(device_all) or s + count > len(slot_all):
                 break
-            devs.append(device_ids[b : b + size].astype(np.int64))
-            slots.append(slot_ids[s : s + count].astype(np.int64)[at // c])
+            devs.append(device_all[b : b + size])
+            slots.append(slot_all[s : s + count][at // c])
             parts.append(at % c)
             b, s = b + size, s + count
-        if b != len(device_ids) or s != len(slot_ids):
+        if b != len(device_all) or s != len(slot_all):
             raise ValueError(
-                f"{len(device_ids)} device blocks and {len(slot_ids)} slots do not match "
+                f"{len(device_all)} device blocks and {len(slot_all)} slots do not match "
                 f"(groups {list(group_sizes)}, {c} blocks a chunk)"
             )
         if not devs:
             return []
-        dev, slot, part = np.concatenate(devs), np.concatenate(slots), np.concatenate(parts)
-        return [(j, dev[part == j], slot[part == j]) for j in range(c) if (part == j).any()]
+        dev, slot, part = torch.cat(devs), torch.cat(slots), torch.cat(parts)
+        return [(j, dev[part == j], slot[part == j]) for j in range(c) if bool((part == j).any())]
 
     def submit(
         self,
         job_id: int,
         store: bool,
         generation: int,
-        plan: list[tuple[int, np.ndarray, np.ndarray]],
+        plan: list[tuple[int, torch.Tensor, torch.Tensor]],
         *,
         check: Callable[[], str | None] | None = None,
         expedited: bool = False,

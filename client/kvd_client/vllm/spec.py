@@ -12,9 +12,9 @@ several device blocks (vLLM's `block_size` or `blocks_per_chunk` extra
 key: a kvd block is then one chunk).
 `kvd_ready_table` (default true): look up from the pool's ready table where
 it can be mapped; false: every lookup is a round trip that also pins.
-`kvd_copies` (CPU workers): "thread" (the default) copies on a thread of its
-own, "sync" inside `submit_*` (`kvd_client.vllm.copies`; CUDA workers copy on
-side streams either way).
+`kvd_copies` (CPU workers): "sync" (the default) copies inside `submit_*`,
+"thread" on a thread of its own (`kvd_client.vllm.copies`; CUDA workers copy
+on side streams either way).
 kvd runs only under `KvdOffloadingConnector` (it sets `kvd_connector`):
 under vLLM's plain `OffloadingConnector` a load kvd could not serve would be
 computed on as if loaded, so there kvd is off, with one log line.

@@ -20,9 +20,11 @@ copies there; the CPU path is the same code over the CPU backend.
 
 On CUDA the backend's side streams and events make the copies asynchronous
 (a store waits for the stream that wrote its pages, a load for work queued
-on its blocks). On the CPU a copy runs on a thread of its own ("thread",
-the default, which a decode step measured faster with: docs/benchmarks.md)
-or inside `submit_*` ("sync"), by vLLM's extra-config key `kvd_copies`.
+on its blocks). On the CPU a copy runs inside `submit_*` ("sync", the
+default) or on a thread of its own ("thread"), by vLLM's extra-config key
+`kvd_copies`: on 2 cores a decode step while stores run was no faster with
+the thread, whose copies contend with the forward pass for the same cores
+and memory bandwidth (`kvd bench vllm --parts copies`, docs/benchmarks.md).
 vLLM 0.33's expedited loads go before every queued job (on CUDA: on the
 next stream, with no stream of their own); vLLM `wait`s for them at once.
 
@@ -211,7 +213,7 @@ class KvdOffloadingWorker(OffloadingWorker):
                 self._refused.append(Done(job_id, False, 0, 0.0, why, refused=True))
                 return
             assert isinstance(pool, CPULoadStoreSpec)
-            plan = self._copies.plan(self._jobs[job_id][2], device.group_sizes,
+            plan = self._copies.plan(device.block_ids, device.group_sizes,
                                      device.block_indices, pool.block_ids)  # fmt: skip
             if not plan:  # nothing to copy, no segment to map
                 self._refused.append(Done(job_id, True, 0, 0.0))

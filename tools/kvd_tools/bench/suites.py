@@ -360,6 +360,27 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="scheduler steps timed per row (default: 50)",
     )
     parser.add_argument(
+        "--decode-batch",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="tokens in the decode step of the copies part (default: 8)",
+    )
+    parser.add_argument(
+        "--store-blocks",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="blocks stored each step in the copies part (default: 256)",
+    )
+    parser.add_argument(
+        "--copy-steps",
+        type=positive_int,
+        default=30,
+        metavar="N",
+        help="steps of each mode timed in the copies part (default: 30)",
+    )
+    parser.add_argument(
         "--turns",
         type=positive_int,
         default=3,
@@ -373,8 +394,9 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="vLLM's own KV cache in 32-token blocks, multi-turn (default: 128)",
     )
-    parser.add_argument("--parts", default="ttft,scheduler,multiturn", metavar="P,...",
-                        help="which parts to run (default: ttft,scheduler,multiturn)")  # fmt: skip
+    parser.add_argument("--parts", default="ttft,scheduler,multiturn,copies", metavar="P,...",
+                        help="which parts to run (default: "
+                             "ttft,scheduler,multiturn,copies)")  # fmt: skip
 
 
 def _restart_arguments(p: argparse.ArgumentParser) -> None:
@@ -742,7 +764,9 @@ SUITES: dict[str, Suite] = {
             "waiting": [1, 4],
             "keys_per_request": 16,
             "steps": 5,
-            "parts": "ttft,scheduler",
+            "parts": "ttft,scheduler,copies",
+            "store_blocks": 16,
+            "copy_steps": 3,
         },
     ),
     "peers": Suite(

