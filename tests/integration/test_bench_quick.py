@@ -15,6 +15,7 @@ a bench that left a process behind fails.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -69,6 +70,10 @@ SPEC_FIELDS: dict[str, list[list[str]]] = {
         ]
     ],
     "remote": [["value_bytes", "fetch_gbps", "bare_get_gbps", "ratio"]],
+    "sglang": [
+        ["op", "pages", "page_bytes", "kvd_gbps", "file_gbps", "memcpy_gbps", "vs_memcpy"],
+        ["exists_keys", "kvd_us_per_key", "dict_us_per_key", "file_us_per_key"],
+    ],
     "peers": [
         [
             "system",
@@ -261,6 +266,8 @@ def check_suite(suite: str, rows: list[dict[str, Any]]) -> None:
         assert all(r["tokens_equal"] for r in _by(rows, "model")), rows
     elif suite == "remote":
         assert _by(rows, "lookup_keys") and _by(rows, "trace"), rows
+    elif suite == "sglang":  # both directions through the backend; kvd pages came back equal
+        assert {r["op"] for r in _by(rows, "op")} == {"set", "get"}, rows
     elif suite == "peers":  # every measure for each system; kvd serves the TTFT prompts
         from kvd_tools.bench.peers_rows import MEASURES
 
@@ -284,6 +291,9 @@ def _needs_lmcache() -> Any:
 def _param(suite: str) -> Any:
     if suite == "peers":
         return pytest.param(suite, marks=[_needs_lmcache()])
+    if suite == "sglang":  # make venv installs it; the suite says why when it cannot run
+        absent = importlib.util.find_spec("sglang") is None
+        return pytest.param(suite, marks=[pytest.mark.skipif(absent, reason="no sglang")])
     return pytest.param(suite, marks=[needs_redis]) if suite == "remote" else suite
 
 

@@ -399,6 +399,17 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
                              "ttft,scheduler,multiturn,copies)")  # fmt: skip
 
 
+def _sglang_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pages", type=positive_int, default=64, help="pages moved per round")
+    p.add_argument("--page-tokens", type=positive_int, default=64, help="tokens per page")
+    p.add_argument("--layers", type=positive_int, default=16)
+    p.add_argument("--heads", type=positive_int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--rounds", type=positive_int, default=7, help="interleaved rounds (median)")
+    p.add_argument("--exists-keys", type=positive_int, default=128, help="keys per batch_exists")
+    p.add_argument("--exists-repeats", type=positive_int, default=50)
+
+
 def _restart_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sizes",
@@ -734,6 +745,12 @@ SUITES: dict[str, Suite] = {
         "Scheduler.lookup from the ready table vs the round trip vs BlockIndex in process",
         _lookup_arguments,
         {"keys": [1, 64], "blocks": 2000, "repeats": 200, "rounds": 1},
+    ),
+    "sglang": Suite(
+        "kvd_tools.bench.sglang_bench",
+        "SGLang HiCache pages set/get GB/s on kvd vs its HiCacheFile vs memcpy; batch_exists",
+        _sglang_arguments,
+        {"pages": 8, "page_tokens": 16, "layers": 4, "rounds": 2, "exists_repeats": 5},
     ),
     "restart": Suite(
         "kvd_tools.bench.restart",
