@@ -17,7 +17,10 @@ from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingMetricM
 
 PREFIX = "vllm:kv_offload_kvd_"
 COUNTERS: dict[str, str] = {
-    "lookup_rpcs": "Daemon round trips made for lookups (at most one a request a step).",
+    "lookup_rpcs": (
+        "Daemon round trips made for lookups (one a request and KV cache group a step,"
+        " and one a miss a sliding-window scan goes past, without the ready table)."
+    ),
     "lookup_keys": "Keys vLLM looked up in kvd.",
     "lookup_hit_keys": "Keys kvd answered as hits (leading, ready, pinned for the load).",
     "daemon_errors": "kvd calls that failed (daemon down, slow, refusing): misses, skipped stores.",

@@ -117,6 +117,39 @@ TINY_GEMMA3: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+# A tiny gpt-oss: sliding-window (128) and full attention layers alternating,
+# with attention sinks and biases, and a mixture of 4 experts (2 a token).
+TINY_GPT_OSS: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 BLOCK_SIZE = 32  # vLLM's CPU attention wants a multiple of 32
 
 
@@ -136,8 +169,9 @@ def write_model(
 
 
 def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The checkpoint tensors of a dense Llama, Gemma 3 (text) or DeepSeek-V2 (MLA, no
-    q LoRA, no MoE layer), by their Hugging Face names, as vLLM's loaders read them."""
+    """The checkpoint tensors of a dense Llama, Gemma 3 (text), DeepSeek-V2 (MLA, no
+    q LoRA, no MoE layer) or gpt-oss (bf16 experts, not MXFP4), by their Hugging Face
+    names, as vLLM's loaders read them."""
     h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
     ff = config["intermediate_size"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
@@ -149,6 +183,22 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             d = config.get("head_dim", h // heads)
             attn = {"q_proj": (heads * d, h), "k_proj": (kv_heads * d, h),
                     "v_proj": (kv_heads * d, h), "o_proj": (h, heads * d)}  # fmt: skip
+        elif config["model_type"] == "gpt_oss":
+            heads, kv_heads, d = (config["num_attention_heads"], config["num_key_value_heads"],
+                                  config["head_dim"])  # fmt: skip
+            attn = {"q_proj": (heads * d, h), "k_proj": (kv_heads * d, h),
+                    "v_proj": (kv_heads * d, h), "o_proj": (h, heads * d)}  # fmt: skip
+            for n, s in list(attn.items()):
+                shapes[f"{at}self_attn.{n}.bias"] = (s[0],)
+            shapes[f"{at}self_attn.sinks"] = (heads,)
+            experts = config["num_local_experts"]
+            shapes.update({
+                f"{at}mlp.router.weight": (experts, h), f"{at}mlp.router.bias": (experts,),
+                f"{at}mlp.experts.gate_up_proj": (experts, h, 2 * ff),
+                f"{at}mlp.experts.gate_up_proj_bias": (experts, 2 * ff),
+                f"{at}mlp.experts.down_proj": (experts, ff, h),
+                f"{at}mlp.experts.down_proj_bias": (experts, h),
+            })  # fmt: skip
         elif config["model_type"] == "deepseek_v2":
             if config.get("q_lora_rank") is not None or config["first_k_dense_replace"] < layers:
                 raise ValueError("weight_shapes: a DeepSeek-V2 with q LoRA or MoE layers")
@@ -161,8 +211,9 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         else:
             raise ValueError(f"weight_shapes: no weights for model_type {config['model_type']!r}")
         shapes.update({f"{at}self_attn.{n}.weight": s for n, s in attn.items()})
-        mlp = {"gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}
-        shapes.update({f"{at}mlp.{n}.weight": s for n, s in mlp.items()})
+        if config["model_type"] != "gpt_oss":  # its MLP is the experts
+            mlp = {"gate_proj": (ff, h), "up_proj": (ff, h), "down_proj": (h, ff)}
+            shapes.update({f"{at}mlp.{n}.weight": s for n, s in mlp.items()})
         shapes[f"{at}input_layernorm.weight"] = (h,)
         shapes[f"{at}post_attention_layernorm.weight"] = (h,)
         if config["model_type"] == "gemma3_text":  # per-head q/k norms, norms around the MLP
@@ -187,6 +238,9 @@ def write_weights(path: Path, config: dict[str, Any], seed: int = 0) -> None:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in weight_shapes(config).items():
+        if name.endswith(("bias", "sinks")):  # gpt-oss's: 0 (a sink of logit 0)
+            tensors[name] = torch.zeros(shape, dtype=dtype)
+            continue
         if len(shape) == 1:  # an RMSNorm's gain; Gemma's scales by 1 + weight
             gemma = config["model_type"].startswith("gemma")
             tensors[name] = (torch.zeros if gemma else torch.ones)(shape, dtype=dtype)
