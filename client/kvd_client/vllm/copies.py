@@ -145,6 +145,11 @@ class Copies:
             self._thread = threading.Thread(target=self._serve, name="kvd-copies", daemon=True)
             self._thread.start()
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """vLLM's canonical tensors, as `(num_blocks, page_bytes)` views."""
+        return self._device
+
     # -- segments --------------------------------------------------------------
 
     def map(self, attached: p.Attached) -> None:
