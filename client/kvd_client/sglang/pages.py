@@ -94,6 +94,15 @@ def choose_pool(storage_config: Any, host_pool: Any) -> PoolChoice:
     extra = dict(storage_config.extra_config or {})
     replicated = bool(storage_config.is_mla_model)
     tp_size, tp_rank = int(storage_config.tp_size), int(storage_config.tp_rank)
+    sharded = {n: int(getattr(storage_config, f"{n}_size", 1) or 1) for n in ("dcp", "attn_cp")}
+    if replicated and any(size > 1 for size in sharded.values()):
+        # Each DCP / context-parallel rank holds another shard of the MLA KV (SGLang
+        # makes it a writer, and its file backend a key of its own): one replicated
+        # pool would serve one shard's bytes to every rank.
+        raise BadRequest(
+            f"MLA with decode or attention context parallelism ({sharded}) is not "
+            "supported by kvd's SGLang backend: run without it, or without kvd"
+        )
     where = (
         f"pp={storage_config.pp_rank}/{storage_config.pp_size};"
         f"cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size};"

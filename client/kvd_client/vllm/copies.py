@@ -169,8 +169,12 @@ class Copies:
         segment = Segment(mapping, backends)
         idle = []
         with self._cond:  # the connection's keeper thread may map too
-            self._segments[attached.generation] = segment
-            self._open.append(segment)
+            if attached.generation in self._segments:  # it did, meanwhile: keep its one
+                idle.append(segment)
+                self._open.append(segment)
+            else:
+                self._segments[attached.generation] = segment
+                self._open.append(segment)
             while len(self._segments) > self._keep:
                 _, old = self._segments.popitem(last=False)
                 old.retired = True
@@ -251,16 +255,17 @@ class Copies:
         expedited: bool = False,
     ) -> None:
         """Starts a job (`plan` from `plan`) on the mapped segment of `generation`;
-        `check` says, right before the copy starts, why it may not (None: it may).
+        `check` says why it may not start (None: it may): right before the copy on
+        the CPU, when it is queued on its stream on CUDA (which may run it later).
         Raises KvdError, before anything started, if the segment is not mapped."""
-        segment = self._segments.get(generation)
-        if segment is None:
-            raise KvdError(f"the pool's segment of generation {generation} is not mapped")
         kind = "store" if store else "load"
         subs = [(part, CopyJob(next(self._sub_ids), kind, dev.tolist(), slot.tolist()))
                 for part, dev, slot in plan]  # fmt: skip
-        job = _Job(job_id, segment, subs, check)
-        with self._cond:
+        with self._cond:  # found and counted at once: `map` retires only idle segments
+            segment = self._segments.get(generation)
+            if segment is None:
+                raise KvdError(f"the pool's segment of generation {generation} is not mapped")
+            job = _Job(job_id, segment, subs, check)
             segment.jobs += 1
             self._jobs[job_id] = job
             if self.mode == "thread":

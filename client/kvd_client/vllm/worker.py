@@ -44,7 +44,9 @@ job in `failed_loads`, which `KvdOffloadingConnector` hands to vLLM to
 recompute, block by block or per request (the spec turns kvd off under
 vLLM's plain connector, which could not). A store copies nothing past its
 deadline or once vLLM reset the cache since its prepare (`StepNotes`, each
-step from the scheduler side, checked when the copy starts), and one whose
+step from the scheduler side, checked when the copy starts on the CPU; on
+CUDA when it is queued on its side stream, which may start it later: a known
+gap, docs/known-limits.md), and one whose
 copy fails is reported not copied (`take_copies`, by its token), so the
 manager completes it as failed: its slots are freed and nobody reads them.
 """
