@@ -51,7 +51,7 @@ class _AbsentFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass
+        """Nothing to run: the placeholder's attributes are made on first use."""
 
 
 def import_sglang() -> None:
