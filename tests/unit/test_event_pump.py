@@ -16,7 +16,7 @@ from kvd_client.types import OffloadingEvent
 
 class Outbox:
     def __init__(self) -> None:
-        self.event_outbox: list[tuple[str, list[OffloadingEvent] | None]] = []
+        self.event_outbox: list[tuple[str, list[OffloadingEvent] | None, tuple[Any, ...]]] = []
         self.counters: Counter[str] = Counter()
 
     def collect_events(self) -> None:
@@ -30,7 +30,7 @@ class Recorder:
         self.pending: list[tuple[str, object]] = []
         self.batches: list[list[tuple[str, object]]] = []
 
-    def add(self, pool: str, events: list[OffloadingEvent]) -> None:
+    def add(self, pool: str, events: list[OffloadingEvent], groups: tuple[Any, ...] = ()) -> None:
         self.pending += [(pool, len(e.keys)) for e in events]
 
     def all_cleared(self, pool: str) -> None:
@@ -60,7 +60,7 @@ def turns(p: EventPump, budget: int | None = PUBLISH_KEYS_PER_TURN) -> int:
 
 def test_events_of_at_most_one_turn_are_never_cut() -> None:
     out, rec, p = pump()
-    out.event_outbox.append(("a", [event(3000), event(3000)]))
+    out.event_outbox.append(("a", [event(3000), event(3000)], ()))
     assert turns(p) == 1
     assert rec.batches == [[("a", 3000), ("a", 3000)]]
 
@@ -69,7 +69,7 @@ def test_a_long_event_goes_a_turn_of_keys_at_a_time_in_order() -> None:
     out, rec, p = pump()
     n = 2 * PUBLISH_KEYS_PER_TURN + 100
     big = event(n)
-    out.event_outbox += [("a", [event(10), big]), ("b", None), ("b", [event(5, 7)])]
+    out.event_outbox += [("a", [event(10), big], ()), ("b", None, ()), ("b", [event(5, 7)], ())]
     assert turns(p) == 3
     assert rec.batches == [
         [("a", 10), ("a", PUBLISH_KEYS_PER_TURN)],
@@ -82,16 +82,18 @@ def test_a_long_event_goes_a_turn_of_keys_at_a_time_in_order() -> None:
 def test_the_slices_are_the_event_s_keys_exactly_once() -> None:
     out, rec, p = pump()
     sent: list[bytes] = []
-    rec.add = lambda pool, events: sent.extend(k for e in events for k in e.keys)  # type: ignore[method-assign]
+    rec.add = lambda pool, events, groups=(): sent.extend(  # type: ignore[method-assign]
+        k for e in events for k in e.keys
+    )
     big = event(3 * PUBLISH_KEYS_PER_TURN + 1)
-    out.event_outbox.append(("a", [big]))
+    out.event_outbox.append(("a", [big], ()))
     assert turns(p) == 4
     assert sent == big.keys
 
 
 def test_no_budget_sends_the_rest_of_a_cut_event_at_once() -> None:
     out, rec, p = pump()
-    out.event_outbox.append(("a", [event(PUBLISH_KEYS_PER_TURN * 3)]))
+    out.event_outbox.append(("a", [event(PUBLISH_KEYS_PER_TURN * 3)], ()))
     assert p.send(PUBLISH_KEYS_PER_TURN)  # one slice, more left
     assert not p.send(None)  # shutdown: all that is left
     assert rec.batches == [[("a", PUBLISH_KEYS_PER_TURN)], [("a", 2 * PUBLISH_KEYS_PER_TURN)]]
