@@ -130,6 +130,7 @@ class PoolConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     extra: str = ""
     capacity_bytes: Positive
     policy: PolicyName | None = None
+    disk_bytes: NonNegative | None = None  # this pool's slab (SPEC 16); None = its share
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -173,6 +174,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     remote_miss_ms: NonNegative = 2_000  # a block the remote lacked is not asked for again
     remote_ttl_s: NonNegative = 0  # expiry of written blocks; 0 = the store's own policy
     remote_prefix: str = "kvd"  # first part of every remote key
+    # The disk tier (SPEC 16): one slab file per pool in disk_dir; "" = none.
+    disk_dir: str = ""
+    disk_bytes: NonNegative = 0  # all slabs together; 0 = half the filesystem's free space
+    disk_write_max_bytes: Positive = 256 << 20  # write-behind bytes in flight; past it, skipped
+    disk_queue_depth: Annotated[int, msgspec.Meta(ge=1, le=256)] = 16  # I/O threads
+    disk_timeout_ms: Positive = 2_000  # a lookup waits at most this for a disk read
+    disk_admit: Literal["always", "second"] = "always"  # "second": the 2nd store of a block
     pools: list[PoolConfig] = []
 
     @property
@@ -269,6 +277,8 @@ def load_config(
             raise ConfigError(
                 "bad config value: remote_prefix: 1 to 64 letters, digits, '.', '-' or '_'"
             )
+    if config.disk_dir and not Path(config.disk_dir).is_absolute():
+        changes["disk_dir"] = str(Path(config.disk_dir).resolve())
     if "{pool}" not in config.events_topic:
         raise ConfigError("bad config value: events_topic: must contain {pool}")
     if config.max_total_bytes == 0:

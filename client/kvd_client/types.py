@@ -40,6 +40,7 @@ class OffloadingEvent:
     block_tokens: int
     medium: str = "CPU"
     removed: bool = False
+    locality: str | None = None  # "LOCAL" for a disk tier's, as vLLM's fs tier says
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class PoolAdmin:
         self._admin_token = admin_token.encode()
         self._admin_token_file = admin_token_file
         self.event_outbox: EventOutbox = []
+        self.on_reset: Callable[[Pool], None] | None = None  # the disk tier's, when there is one
 
     def attach_later(
         self, s: Session, req: p.Attach, answer: Callable[[KvdError | None], None]
@@ -133,7 +134,7 @@ class PoolAdmin:
         self.pools.get(req.pool)
         self._transfers.fail_all(f"pool {req.pool} dropped", pool=req.pool)
         self.collect_events()
-        self.pools.drop(req.pool)
+        self.pools.drop(req.pool, disk=True)
         self.event_outbox.append((req.pool, None, ()))
         return p.Ok(req.req_id)
 
@@ -159,6 +160,8 @@ class PoolAdmin:
             pool.resetting = True
             if pool.table is not None:  # no hit from the table either, from now on
                 pool.table.begin_reset()
+            if self.on_reset is not None:  # the disk tier's reads end; its entries go
+                self.on_reset(pool)
             log.info("event=pool_reset_started pool=%s", req.pool)
         self._transfers.fail_pool(req.pool, f"pool {req.pool} reset")
         self.finish_resets()
@@ -193,6 +196,8 @@ class PoolAdmin:
             ):
                 self.collect_events()
                 pool.owned.reset()
+                if pool.disk is not None:
+                    pool.disk.finish_reset()
                 pool.resetting = False
                 self.event_outbox.append((pool.name, None, ()))
                 log.info("event=pool_reset pool=%s", pool.name)
@@ -253,14 +258,15 @@ class PoolAdmin:
             )
 
     def collect_events(self) -> None:
-        """Moves the pools' index events to `event_outbox` (the server publishes them)."""
+        """Moves the pools' index events (their disk indexes' too, medium STORAGE)
+        to `event_outbox` (the server publishes them)."""
         for pool in self.pools:
             events = pool.index.take_events()
+            for event in events:
+                self._counters["evictions" if event.removed else "blocks_stored"] += len(event.keys)
+            if pool.disk is not None:
+                events += pool.disk.index.take_events()
             if events:
-                for event in events:
-                    self._counters["evictions" if event.removed else "blocks_stored"] += len(
-                        event.keys
-                    )
                 self.event_outbox.append((pool.name, events, pool.layout.groups))
 
     def announce_cleared(self) -> None:

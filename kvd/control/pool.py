@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.control.disk_slabs import DiskPart
 from kvd.control.write_behind import ReadyTap
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
@@ -39,6 +40,7 @@ class Pool:
     # write-behind, and the name the pool's blocks have there.
     tap: ReadyTap | None = None
     fingerprint: str = ""
+    disk: DiskPart | None = None  # its slab and disk index (SPEC 16), with a disk tier
 
     @property
     def index(self) -> BlockIndex:
@@ -57,7 +59,7 @@ class Pool:
             g.slot_stride,
             self.table.name if self.table is not None else "",
             self.region.header.data_offset,
-            self.tap is not None,
+            self.tap is not None,  # a tier below RAM: a short lookup asks the daemon
         )
 
     def info(self) -> PoolInfo:

@@ -36,6 +36,7 @@ from kvd_client.protocol import Layout
 from kvd_client.ready_table import table_name
 
 if TYPE_CHECKING:
+    from kvd.control.disk_slabs import DiskPart, DiskSlabs
     from kvd.control.pool import Pool
 
 log = logging.getLogger("kvd.control.pool_builds")
@@ -56,6 +57,7 @@ class Planned:
     table: ReadyTableWriter | None = None
     index: BlockIndex | None = None
     error: BaseException | None = None
+    disk: DiskPart | None = None  # its slab, with a disk tier (SPEC 16)
     done: list[Done] = field(default_factory=list)
     thread: threading.Thread | None = None
 
@@ -78,14 +80,24 @@ def make_table(
         return None
 
 
-def build(planned: Planned, *, tables: bool, gid: int | None, manifest: Manifest) -> None:
-    """Makes the planned pool's ready table (if `tables`) and index; any error is kept."""
+def build(
+    planned: Planned,
+    *,
+    tables: bool,
+    gid: int | None,
+    manifest: Manifest,
+    disk: DiskSlabs | None = None,
+) -> None:
+    """Makes the planned pool's ready table (if `tables`), index and disk part (its
+    slab, adopted or new, with a disk tier); any error is kept."""
     g = planned.geometry
     try:
         if tables:
             planned.table = make_table(planned.region, g.num_blocks, planned.generation,
                                        gid=gid, manifest=manifest)  # fmt: skip
         planned.index = BlockIndex(g.num_blocks, planned.policy, planned.layout.block_tokens)
+        if disk is not None:  # never raises: a slab that fails leaves the pool without one
+            planned.disk = disk.open(planned.name, planned.layout, g, planned.policy)
     except BaseException as exc:  # handed to the loop, which answers the Attach with it
         planned.error = exc
 
@@ -100,9 +112,11 @@ class PoolBuilds:
         tables: bool,
         gid: int | None,
         manifest: Manifest,
+        disk: DiskSlabs | None = None,
     ) -> None:
         self._install = install
         self._tables, self._gid, self._manifest = tables, gid, manifest
+        self._disk = disk
         self._building: dict[str, Planned] = {}
         self.post: Callable[[Callable[[], None]], object] | None = None  # set by the server
 
@@ -132,7 +146,8 @@ class PoolBuilds:
         self._building[planned.name] = planned
 
         def run() -> None:
-            build(planned, tables=self._tables, gid=self._gid, manifest=self._manifest)
+            build(planned, tables=self._tables, gid=self._gid, manifest=self._manifest,
+                  disk=self._disk)  # fmt: skip
             with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon exits
                 post(lambda: self._finish(planned))
 
@@ -159,9 +174,11 @@ class PoolBuilds:
 
     @staticmethod
     def discard(planned: Planned) -> None:
-        """Frees what a build made (its table, its segment)."""
+        """Frees what a build made (its table, its segment, its slab's descriptor)."""
         if planned.table is not None:
             planned.table.close()
+        if planned.disk is not None:
+            planned.disk.slab.close()
         planned.region.close()
 
     def close(self) -> None:

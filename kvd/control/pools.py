@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvd.config import Config
+from kvd.control.disk_slabs import DiskPart, DiskSlabs
 from kvd.control.pool import DEAD_RUN, Pool
 from kvd.control.pool_builds import Planned, PoolBuilds, build, make_table
 from kvd.control.write_behind import ReadyTap
@@ -62,10 +63,12 @@ class PoolRegistry:
         self._gid = gid
         self._pools: dict[str, Pool] = {}
         self.refused: list[str] = []  # pools whose segments a warm start refused
-        # New pools' indexes and ready tables, built off the loop (`plan`, then
-        # `builds.start`); the server sets `builds.post`.
+        # The disk tier's slabs (SPEC 16): a warm start adopts them, a cold one empties them.
+        self.disk = DiskSlabs(config, adopt=config.restart == "warm") if config.disk_dir else None
+        # New pools' indexes, ready tables and slabs, built off the loop (`plan`,
+        # then `builds.start`); the server sets `builds.post`.
         self.builds = PoolBuilds(self._install, tables=config.ready_tables, gid=gid,
-                                 manifest=manifest)  # fmt: skip
+                                 manifest=manifest, disk=self.disk)  # fmt: skip
 
     def __iter__(self) -> Iterator[Pool]:
         return iter(list(self._pools.values()))
@@ -105,7 +108,8 @@ class PoolRegistry:
     def create(self, name: str, layout: Layout, capacity_bytes: int | None, policy: str) -> Pool:
         """Creates a pool at once, on the caller's thread (the config's pools, at start)."""
         planned = self.plan(name, layout, capacity_bytes, policy)
-        build(planned, tables=self.config.ready_tables, gid=self._gid, manifest=self._manifest)
+        build(planned, tables=self.config.ready_tables, gid=self._gid, manifest=self._manifest,
+              disk=self.disk)  # fmt: skip
         if planned.error is not None:
             PoolBuilds.discard(planned)
             raise planned.error
@@ -172,7 +176,7 @@ class PoolRegistry:
     def _install(self, b: Planned) -> Pool:
         assert b.index is not None
         pool = self._add(b.name, b.layout, b.geometry, b.generation, b.region, b.index, b.policy,
-                         b.table)  # fmt: skip
+                         b.table, b.disk)  # fmt: skip
         g = b.geometry
         log.info("event=pool_created pool=%s shm=%s blocks=%d row_bytes=%d bytes=%d policy=%s",
                  b.name, b.region.name, g.num_blocks, g.row_bytes, g.size_bytes,
@@ -198,6 +202,7 @@ class PoolRegistry:
         index: BlockIndex,
         policy: str,
         table: ReadyTableWriter | None,
+        disk: DiskPart | None = None,
     ) -> Pool:
         pin_cap = max(1, int(geometry.num_blocks * self.config.pin_cap_fraction))
         index.sink = table
@@ -205,10 +210,11 @@ class PoolRegistry:
         pool = Pool(
             name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
         )
-        if self.config.remote_url:
+        if self.config.remote_url or self.config.disk_dir:  # tiers below: they see what is ready
             pool.tap = ReadyTap(region.table)
             index.slot_sink = pool.tap
             pool.fingerprint = layout_fingerprint(layout, geometry)
+        pool.disk = disk
         self._pools[name] = pool
         return pool
 
@@ -306,8 +312,17 @@ class PoolRegistry:
                 if self.config.ready_tables:
                     table = make_table(region, geometry.num_blocks, header.generation,
                                        gid=self._gid, manifest=self._manifest)  # fmt: skip
+                disk = self.disk.open(pool_name, layout, geometry, policy) if self.disk else None
                 pool = self._add(
-                    pool_name, layout, geometry, header.generation, region, index, policy, table
+                    pool_name,
+                    layout,
+                    geometry,
+                    header.generation,
+                    region,
+                    index,
+                    policy,
+                    table,
+                    disk,
                 )
                 index.adopt(slots, keys, policy_later=True, slot_of=slot_of, held=storing)
                 # Jobs of the dead daemon were made before now: their hard deadlines
@@ -339,12 +354,17 @@ class PoolRegistry:
                     unlink_segment(shm, self._manifest)
         return adopted
 
-    def drop(self, name: str) -> Pool:
+    def drop(self, name: str, *, disk: bool = False) -> Pool:
+        """Drops the pool and its segment; its slab is deleted with `disk` (an
+        operator's drop, a cold shutdown), else kept for the pool's next run."""
         pool = self.get(name)
         del self._pools[name]
         if pool.table is not None:
             pool.table.close()
         pool.region.close()
+        if pool.disk is not None and self.disk is not None:
+            pool.disk.slab.remove() if disk else pool.disk.slab.close()
+            self.disk.forget(name)
         log.info("event=pool_dropped pool=%s shm=%s", name, pool.region.name)
         return pool
 
@@ -355,11 +375,13 @@ class PoolRegistry:
         self.builds.close()
         for name in list(self._pools):
             if not keep:
-                self.drop(name)
+                self.drop(name, disk=True)
                 continue
             pool = self._pools.pop(name)
             if pool.table is not None:
                 pool.table.close()  # the ready table is rebuilt at the next start
+            if pool.disk is not None:
+                pool.disk.slab.close()
             pool.region.release()
             log.info("event=pool_kept pool=%s shm=%s blocks_ready=%d",
                      name, pool.region.name, pool.index.num_ready)  # fmt: skip

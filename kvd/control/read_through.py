@@ -326,7 +326,7 @@ class ReadThrough:
             self._miss(fetch.pool, k, now)
         tap = pool.tap
         if tap is not None:
-            tap.muted = True  # fetched blocks are not written back
+            tap.source = "remote"  # not written back; the disk tier keeps them
         try:
             if copied:
                 pool.owned.complete_store(fetch.owner, copied, True)
@@ -334,7 +334,7 @@ class ReadThrough:
                 pool.owned.complete_store(fetch.owner, failed, False)
         finally:
             if tap is not None:
-                tap.muted = False
+                tap.source = "store"
         self.counters["remote.hits"] += len(copied)
         self.counters["remote.fetch_failures"] += len(failed)
 

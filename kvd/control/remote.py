@@ -93,9 +93,9 @@ class RemoteTier:
         """A lookup that found `hits` leading local hits, then a miss (ReadThrough)."""
         return self.read.lookup(pool, keys, hits, now)
 
-    def pump(self) -> None:
-        """Starts the writes of the blocks that became ready since the last call."""
-        self.write.pump()
+    def write_ready(self, pool: Pool, keys: list[bytes]) -> None:
+        """Starts the writes of blocks of `pool` that became ready (engines' stores)."""
+        self.write.write(pool, keys)
 
     # -- upkeep (loop) ---------------------------------------------------------
 

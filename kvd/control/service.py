@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 
 from kvd.config import Config
 from kvd.control.admin import PoolAdmin
+from kvd.control.disk import DiskTier
 from kvd.control.leases import Leases
 from kvd.control.observed import ObservedLookups, check_observe, oversized
 from kvd.control.pools import Pool, PoolRegistry
@@ -91,7 +93,8 @@ class Service:
         self.leases = Leases(config, pools, self.sessions, self.transfers, self.admin)
         self.last_type: type = p.Error  # type of the request handled last (metrics)
         self.observed = ObservedLookups(pools, self.counters)  # the server applies them
-        self.remote: RemoteTier | None = None  # the server sets it when remote_url is set
+        self.remote: RemoteTier | None = None  # with remote_url (`start_tiers`)
+        self.disk: DiskTier | None = None  # with disk_dir (`start_tiers`)
 
     # -- entry points ----------------------------------------------------------
 
@@ -140,11 +143,52 @@ class Service:
         self.transfers.expire(now)
         if self.remote is not None:
             self.remote.tick(now)
+        if self.disk is not None:
+            self.disk.tick(now)
         self.admin.release_due(now)
         self.admin.drop_unbacked()
         for pool in self.pools:  # readers take a table not written lately as dead
             if pool.table is not None:
                 pool.table.beat()
+
+    # -- the tiers below RAM -----------------------------------------------------
+
+    def start_tiers(self, post: Callable[[Callable[[], None]], object]) -> None:
+        """The disk and remote tiers the config names; `post` hands a thread's
+        result to the loop (its call_soon_threadsafe)."""
+        if self.config.remote_url:
+            self.remote = RemoteTier.start(self.config, self.pools, self.counters, post)
+        if self.config.disk_dir:
+            self.disk = DiskTier(self.config, self.pools, self.counters, post)
+            self.admin.on_reset = self.disk.begin_reset
+
+    def pump_tiers(self) -> None:
+        """Hands the blocks that became ready since the last call to the tiers'
+        write-behinds: stored ones to both, fetched from the remote to the disk."""
+        for pool in self.pools:
+            tap = pool.tap
+            if tap is None or not (tap.keys or tap.fetched):
+                continue
+            keys, fetched = tap.take()
+            if self.remote is not None:
+                self.remote.write_ready(pool, keys)
+            if self.disk is not None:
+                self.disk.write_ready(pool, keys + fetched)
+
+    def close_tiers(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _below(self, pool: Pool, keys: list[bytes], hits: int, now: float) -> int | None:
+        """RAM missed at keys[hits]: the disk tier, then the remote tier (None: they
+        read the rest meanwhile, ask again)."""
+        if self.disk is not None and self.disk.lookup(pool, keys, hits, now) is None:
+            return None
+        if self.remote is not None:
+            return self.remote.lookup(pool, keys, hits, now)
+        return hits
 
     def settle(self) -> bool:
         """One step of each pool's idle work (the server calls it once no request
@@ -234,8 +278,8 @@ class Service:
         match req:
             case p.Lookup(req_id, keys, pin):
                 hits = owned.index.lookup(keys)
-                if self.remote is not None and hits is not None and hits < len(keys):
-                    hits = self.remote.lookup(pool, keys, hits, now)
+                if hits is not None and hits < len(keys) and pool.tap is not None:
+                    hits = self._below(pool, keys, hits, now)
                 self.counters["lookups"] += 1
                 self.counters["lookup_keys"] += len(keys)
                 self.counters["hit_blocks"] += hits or 0

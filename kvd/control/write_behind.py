@@ -1,14 +1,15 @@
 """Runs in the daemon: the remote tier's write-behind, on the event loop (SPEC 14).
 
 Every block that becomes ready from a store is seen by the pool's `ReadyTap`
-(its slot sink). `WriteBehind.pump`, after each loop turn, pins those blocks
+(its slot sink). After each loop turn (`Service.pump_tiers`), `WriteBehind.write`
+pins those blocks
 under the writer's owner (so their slots are not reused while the thread
 reads them), and the write thread reads each row, puts its header before it
 and writes it with a pipelined SET; the loop then unpins. Bytes in flight
 are bounded by `remote_write_max_bytes`; blocks past the bound, past the
 writer's pin cap (half a pool), while the tier is down or the pool resets,
 or evicted before the pump are skipped and counted, never queued. Blocks
-fetched from the tier are not written back (the tap is muted then). A write
+fetched from the tier are not written back (the tap's `source` says so). A write
 that fails is not retried.
 """
 
@@ -39,20 +40,26 @@ WRITER_ACCOUNT = "remote-writer"
 
 class ReadyTap:
     """A pool's slot sink (the segment's slot table) with a tap: remembers the
-    keys that became ready, for the write-behind, unless `muted`."""
+    keys that became ready, for the tiers below RAM, by where they came from
+    (`source`, set around the completions that make them ready): `keys`, stored
+    by engines (both tiers write them); `fetched`, from the remote tier (the
+    disk tier writes them); read from disk: neither."""
 
     def __init__(self, inner: SlotSink) -> None:
         self.inner = inner
         self.keys: list[bytes] = []
-        self.muted = False
+        self.fetched: list[bytes] = []
+        self.source = "store"  # "store", "remote" or "disk"
 
     def storing(self, slots: Sequence[int]) -> None:
         self.inner.storing(slots)
 
     def ready(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         self.inner.ready(slots, keys)
-        if not self.muted:
+        if self.source == "store":
             self.keys.extend(keys)
+        elif self.source == "remote":
+            self.fetched.extend(keys)
 
     def freed(self, slots: Sequence[int]) -> None:
         self.inner.freed(slots)
@@ -66,6 +73,13 @@ class ReadyTap:
     def reset(self) -> None:
         self.inner.reset()
         self.keys.clear()
+        self.fetched.clear()
+
+    def take(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, fetched) since the last call."""
+        keys, fetched = self.keys, self.fetched
+        self.keys, self.fetched = [], []
+        return keys, fetched
 
 
 @dataclass(eq=False)
@@ -103,13 +117,9 @@ class WriteBehind:
         self._ids = itertools.count(1)
         self._writes: dict[int, Write] = {}
 
-    def pump(self) -> None:
-        """Starts the writes of the blocks that became ready since the last call."""
-        for pool in self.pools:
-            tap = pool.tap
-            if tap is None or not tap.keys:
-                continue
-            keys, tap.keys = tap.keys, []
+    def write(self, pool: Pool, keys: list[bytes]) -> None:
+        """Starts the writes of `keys`, blocks of `pool` that became ready."""
+        if keys:
             self._write(pool, keys)
 
     def _write(self, pool: Pool, keys: list[bytes]) -> None:

@@ -64,7 +64,10 @@ What a kvd pool knows and what it fills in:
   `CPUOffloadingManager` makes `OffloadingEvent(keys, Medium.CPU, removed)`
   with neither set, and `OffloadingEventsTracker` forwards them as they are
   (vLLM 0.32 and 0.33, `distributed/kv_transfer/kv_connector/v1/offloading/
-  events.py`). `block_size`: the pool's tokens per block.
+  events.py`). A disk tier's blocks (SPEC 16): "STORAGE" and locality
+  "LOCAL", what vLLM's fs tier publishes for a local disk
+  (`tiering/fs/manager.py`, `Medium.STORAGE`, its configured locality); the
+  array form has no locality field. `block_size`: the pool's tokens per block.
 - Left at their defaults, because the daemon never sees them:
   `parent_block_hash`, `token_ids` (empty), `lora_id`, `lora_name`,
   `extra_keys` and `session_id` (an engine session is not a vLLM request).
@@ -249,6 +252,7 @@ def map_events(
                     hashes,
                     event.medium,
                     group_idx=group,
+                    locality=event.locality,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
                 )
@@ -266,6 +270,7 @@ def map_events(
                     group_idx=group,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
+                    locality=event.locality,
                 )
             )
     return out

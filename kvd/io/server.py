@@ -38,7 +38,6 @@ import zmq
 
 from kvd.config import Config
 from kvd.control.pools import PoolRegistry
-from kvd.control.remote import RemoteTier
 from kvd.control.service import Service
 from kvd.io import control_socket as wire
 from kvd.io.event_pump import PUBLISH_KEYS_PER_TURN, EventPump
@@ -117,19 +116,15 @@ class Server:
         if stale:
             log.info("event=stale_segments_unlinked count=%d names=%s", len(stale), ",".join(stale))
         self.service = Service(cfg, self.pools, write_admin_token(cfg.admin_token_file))
-        if cfg.remote_url:
-            loop = asyncio.get_running_loop()
-            self.service.remote = RemoteTier.start(
-                cfg, self.pools, self.service.counters,
-                lambda done: loop.call_soon_threadsafe(self._remote_done, done),
-            )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        self.service.start_tiers(lambda done: loop.call_soon_threadsafe(self._remote_done, done))
         for pc in cfg.pools:
             if pc.name in adopted:
                 continue
             layout = Layout(pc.model, pc.dtype, pc.block_tokens, pc.world_size, pc.replicated,
                             pc.slot_bytes, pc.extra)  # fmt: skip
             self.pools.create(pc.name, layout, pc.capacity_bytes, pc.policy or cfg.policy)
-        loop = asyncio.get_running_loop()  # from now on, new pools are built off the loop
+        # From now on, new pools are built off the loop.
         self.pools.builds.post = lambda done: loop.call_soon_threadsafe(self._remote_done, done)
         self._ctx = zmq.Context()
         self.publisher = EventPublisher.from_config(self._ctx, cfg, gid)
@@ -165,8 +160,7 @@ class Server:
         done()
         if service.outbox:
             self._flush()
-        if service.remote is not None:
-            service.remote.pump()
+        service.pump_tiers()
         self._publish()
 
     # -- main loop -------------------------------------------------------------
@@ -211,8 +205,7 @@ class Server:
         self._last_request = time.monotonic()
         if self._idle_timer is None and service.has_idle_work():
             self._idle_timer = asyncio.get_running_loop().call_later(IDLE_S, self._when_idle)
-        if service.remote is not None:
-            service.remote.pump()  # the write-behind of the blocks stored meanwhile
+        service.pump_tiers()  # the write-behinds of the blocks stored meanwhile
         self._publish()
 
     def _when_idle(self) -> None:
@@ -358,8 +351,7 @@ class Server:
             self._idle_timer = None
         if self.service is not None:
             self.service.shutdown()
-            if self.service.remote is not None:
-                self.service.remote.close()
+            self.service.close_tiers()
         if self._control is not None and self.service is not None:
             self._flush()
         if self.pools is not None and self.service is not None:

@@ -170,6 +170,10 @@ class SlotTable:
         last = order[-1][1][0] if order else 0
         return [s for _, (_, s) in order], [k for k, _ in order], refused, last
 
+    def flush(self) -> None:
+        """The table's pages to their file (a disk slab's table, SPEC 16)."""
+        self._mm.flush()
+
     def close(self) -> None:
         try:
             self._mm.close()

@@ -176,7 +176,7 @@ class BlockIndex(IndexState):
         if evicted:
             # A copy: the caller owns `evicted_keys`, the pending event must not change with it.
             self._events.append(
-                OffloadingEvent(list(evicted), self.block_tokens, "CPU", removed=True)
+                OffloadingEvent(list(evicted), self.block_tokens, self.medium, True, self.locality)
             )
         return PrepareStoreOutput(new_keys, LoadStoreSpec(slots), evicted)
 
@@ -198,7 +198,9 @@ class BlockIndex(IndexState):
         if success:
             for slot in pending.values():
                 self._ready[slot] = 1
-            self._events.append(OffloadingEvent(list(pending), self.block_tokens, "CPU"))
+            self._events.append(
+                OffloadingEvent(list(pending), self.block_tokens, self.medium, False, self.locality)
+            )
             if self.slot_sink is not None:
                 self.slot_sink.ready(list(pending.values()), list(pending))
         else:
@@ -211,6 +213,31 @@ class BlockIndex(IndexState):
                 self.slot_sink.freed(list(pending.values()))
         if self.sink is not None:
             (self.sink.ready if success else self.sink.gone)(list(pending))
+
+    def discard(self, keys: Sequence[Key]) -> list[Key]:
+        """Removes the ready, unpinned keys among `keys` (a damaged copy found by a
+        read); the others stay. One removed event; the removed keys."""
+        slot_of, ready, refs = self._slot_of, self._ready, self._refs
+        gone = {}
+        for key in dict.fromkeys(keys):
+            slot = slot_of.get(key)
+            if slot is not None and ready[slot] and refs[slot] == 0:
+                gone[key] = slot
+        if not gone:
+            return []
+        self.policy.remove(gone.values())
+        for key, slot in gone.items():
+            del slot_of[key]
+            self._release_slot(slot)
+        self._deleted += len(gone)
+        if self.slot_sink is not None:
+            self.slot_sink.freed(list(gone.values()))
+        if self.sink is not None:
+            self.sink.gone(list(gone))
+        self._events.append(
+            OffloadingEvent(list(gone), self.block_tokens, self.medium, True, self.locality)
+        )
+        return list(gone)
 
     def _regrown(self) -> None:
         """`_slot_of` just grew: under turnover, a compact copy (module docstring)."""
@@ -295,7 +322,9 @@ class BlockIndex(IndexState):
             self.policy = AdoptingPolicy(self.policy, slots, keys, back)
         else:
             self.policy.adopt(slots, keys)
-        self._events.append(OffloadingEvent(keys, self.block_tokens, "CPU"))
+        self._events.append(
+            OffloadingEvent(keys, self.block_tokens, self.medium, False, self.locality)
+        )
 
     def release_held(self) -> int:
         """Frees the held slots (`adopt`), lowest first to be reused; how many."""

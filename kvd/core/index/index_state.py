@@ -37,13 +37,23 @@ from kvd.errors import BadRequest, MissingKey, NotReady
 class IndexState:
     """A pool index's slots, keys, states and pins; the verbs are `BlockIndex`'s."""
 
-    def __init__(self, num_blocks: int, policy: str = "lru", block_tokens: int = 16) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        policy: str = "lru",
+        block_tokens: int = 16,
+        *,
+        medium: str = "CPU",
+        locality: str | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise BadRequest(f"num_blocks must be >= 1, got {num_blocks}")
         if block_tokens < 1:
             raise BadRequest(f"block_tokens must be >= 1, got {block_tokens}")
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
+        self.medium = medium  # what its events name: "CPU", or "STORAGE" for a disk tier's
+        self.locality = locality
         self._slot_of: dict[Key, int] = {}
         self._slot_of_bytes = sys.getsizeof(self._slot_of)  # its size at the last growth
         self._deleted = 0  # keys deleted from `_slot_of` since its last growth

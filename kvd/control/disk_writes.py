@@ -1,0 +1,202 @@
+"""Runs in the daemon: the disk tier's write-behind, on the event loop (SPEC 16).
+
+The blocks that became ready in RAM since the last loop turn (the pool's
+`ReadyTap`: stored by engines, or fetched from the remote tier; never those
+read from disk) come to `DiskWrites.write`. Those the disk already holds are
+skipped; with `disk_admit = "second"` a block goes to disk only the second
+time it is stored (a bounded set remembers the first). The rest get disk rows
+(`prepare_store` on the disk index: not ready, their entries STORING), are
+pinned in RAM under the writer's account (not evicted while a thread reads
+them), and go to the I/O threads a row at a time: the row is copied into the
+thread's aligned buffer with its CRC-32C (key, then row) computed on the
+way, and written. The loop then records each row's checksum, makes its entry
+ready (the disk index's slot sink writes it), and unpins the RAM row.
+
+Bytes in flight are bounded by `disk_write_max_bytes`; past the bound, past
+the writer's pin cap, while the pool resets, or with no disk row free of
+pins, blocks are skipped and counted, never queued. A write that fails is
+freed on disk and counted, never retried.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvd.config import Config
+from kvd.control.disk_slabs import DiskPart
+from kvd.errors import KvdError
+from kvd.io.disk_threads import DiskThreads, Staging, copy_crc, crc32c
+
+if TYPE_CHECKING:
+    from kvd.control.pools import Pool, PoolRegistry
+    from kvd.io.region import Rows
+
+log = logging.getLogger("kvd.control.disk_writes")
+WRITER_ACCOUNT = "disk-writer"
+
+
+@dataclass(eq=False)
+class Write:
+    write_id: int
+    pool: str
+    generation: int
+    epoch: int
+    keys: list[bytes]
+    slots: list[int]  # RAM
+    disk_slots: list[int]
+    nbytes: int
+    rows: Rows
+    part: DiskPart
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    crcs: list[int | None] = field(default_factory=list)  # per key; None: not written
+    left: int = 0
+    errors: int = 0
+
+    @property
+    def owner(self) -> tuple[str, int]:
+        return ("disk-write", self.write_id)
+
+
+class DiskWrites:
+    def __init__(
+        self,
+        config: Config,
+        pools: PoolRegistry,
+        counters: Counter[str],
+        threads: DiskThreads,
+        post: Callable[[Callable[[], None]], object],
+        rows_of: Callable[[Pool], Rows],
+    ) -> None:
+        self.config = config
+        self.pools = pools
+        self.counters = counters
+        self.threads = threads
+        self.post = post
+        self._rows_of = rows_of
+        self.bound = config.disk_write_max_bytes
+        self.in_flight = 0  # bytes
+        self._ids = itertools.count(1)
+        self.second = config.disk_admit == "second"
+
+    def write(self, pool: Pool, keys: list[bytes]) -> None:
+        part = pool.disk
+        if part is None:
+            return
+        if part.resetting or pool.resetting:
+            self.counters["disk.writes_skipped"] += len(keys)
+            return
+        on_disk = part.index.is_ready
+        keys = [k for k in dict.fromkeys(keys) if not on_disk(k)]
+        if self.second:
+            keys = self._admitted(part, keys, pool.geometry.num_blocks)
+        if not keys:
+            return
+        row_bytes = pool.geometry.row_bytes
+        room = max(0, (self.bound - self.in_flight) // row_bytes)
+        if room < len(keys):
+            self.counters["disk.writes_skipped"] += len(keys) - room
+            keys = keys[:room]
+        ready = [k for k in keys if pool.index.is_ready(k)]  # not evicted since
+        self.counters["disk.writes_skipped"] += len(keys) - len(ready)
+        if not ready:
+            return
+        owner = ("disk-write", next(self._ids))
+        out = part.owned.prepare_store(owner, ready)
+        if out is None or not out.keys_to_store:
+            if out is None:
+                self.counters["disk.writes_skipped"] += len(ready)
+            return
+        keys, disk_slots = list(out.keys_to_store), list(out.store_spec.slots)
+        try:
+            spec = pool.owned.prepare_load(owner, keys, account=WRITER_ACCOUNT)
+        except KvdError as exc:  # the pin cap: skip, never wait
+            part.owned.complete_store(owner, keys, False)
+            self.counters["disk.writes_skipped"] += len(keys)
+            log.debug("event=disk_write_skipped pool=%s reason=%s", pool.name, exc)
+            return
+        write = Write(owner[1], pool.name, pool.generation, part.epoch, keys, list(spec.slots),
+                      disk_slots, len(keys) * row_bytes, self._rows_of(pool), part)  # fmt: skip
+        write.crcs = [None] * len(keys)
+        write.left = len(keys)
+        self.in_flight += write.nbytes
+        self.counters["disk.write_bytes_peak"] = max(
+            self.counters["disk.write_bytes_peak"], self.in_flight
+        )
+        self.threads.submit_many(
+            [functools.partial(self._put, write, i) for i in range(len(keys))], read=False
+        )
+
+    def _admitted(self, part: DiskPart, keys: list[bytes], ram_blocks: int) -> list[bytes]:
+        """disk_admit = "second": the keys stored once before (remembered, at most
+        ten times the pool's blocks, oldest forgotten first)."""
+        seen, admitted = part.seen, []
+        for key in keys:
+            if key in seen:
+                del seen[key]
+                admitted.append(key)
+            else:
+                seen[key] = None
+        while len(seen) > 10 * ram_blocks:
+            del seen[next(iter(seen))]
+        self.counters["disk.writes_deferred"] += len(keys) - len(admitted)
+        return admitted
+
+    # -- on an I/O thread ----------------------------------------------------
+
+    def _put(self, write: Write, i: int, staging: Staging) -> None:
+        slab = write.part.slab
+        row = slab.row_bytes
+        crc = None
+        error = 0
+        if slab.enter():
+            try:
+                buf = staging.get(slab.disk_row_bytes)
+                at = write.slots[i] * row
+                crc = copy_crc(buf[:row], write.rows.view()[at : at + row], crc32c(write.keys[i]))
+                if slab.write_row(write.disk_slots[i], buf) < slab.disk_row_bytes:
+                    raise OSError("short write")
+            except (OSError, ValueError) as exc:  # ValueError: the pool's map went
+                crc, error = None, 1
+                log.info("event=disk_write_failed pool=%s slot=%d reason=%s", write.pool,
+                         write.disk_slots[i], exc)  # fmt: skip
+            finally:
+                slab.leave()
+        with write.lock:
+            write.crcs[i] = crc
+            write.errors += error
+            write.left -= 1
+            last = write.left == 0
+        if last:
+            self.post(functools.partial(self._written, write))
+
+    # -- on the loop -----------------------------------------------------------
+
+    def _written(self, write: Write) -> None:
+        self.in_flight -= write.nbytes
+        self.counters["disk.errors"] += write.errors
+        pool = self.pools.find(write.pool)
+        if pool is not None and pool.generation == write.generation:
+            pool.owned.complete_load(write.owner, write.keys)  # the RAM rows may go now
+        part = write.part
+        if pool is None or pool.disk is not part or part.epoch != write.epoch:
+            return  # reset or dropped meanwhile: the rows' entries are gone already
+        done = [k for k, c in zip(write.keys, write.crcs, strict=True) if c is not None]
+        failed = [k for k, c in zip(write.keys, write.crcs, strict=True) if c is None]
+        crcs = part.slab.crcs
+        for slot, crc in zip(write.disk_slots, write.crcs, strict=True):
+            if crc is not None:
+                crcs[slot] = crc  # before the entry says READY
+        if done:
+            part.owned.complete_store(write.owner, done, True)
+        if failed:
+            part.owned.complete_store(write.owner, failed, False)
+        self.counters["disk.blocks_written"] += len(done)
+        self.counters["disk.bytes_written"] += len(done) * part.slab.disk_row_bytes
+        self.counters["disk.writes_failed"] += len(failed)

@@ -1,0 +1,402 @@
+"""Runs in the daemon: a pool's slab on disk and its entry table (SPEC 16).
+
+Two files per pool in `disk_dir`, made when the pool first gets its disk
+tier and adopted by every later start whose checks pass:
+
+    <pool>.slab     header page, then num_blocks rows, each `disk_row_bytes`
+                    (row_bytes rounded up to ALIGN) at rows_offset + i * that
+    <pool>.entries  a segment's header and slot table (kvd_client.segment:
+                    the same entry format, state, crc and seq as a pool's
+                    segment, so the warm start's scan in C reads it), then
+                    one u32 per row: CRC-32C of the key followed by the row
+
+    slab header (little-endian, SLAB_HEADER; `crc` is zlib's crc32 of it with
+    the crc field zeroed):
+      0 magic 8s "KVDSLAB\\0"    8 version u32     12 crc u32
+     16 slab_id u64 (the entry table's header carries it as its generation)
+     24 num_blocks u64          32 row_bytes u64  40 disk_row_bytes u64
+     48 rows_offset u64         56 fingerprint 32s (sha256 of the pool's layout)
+
+Both files are given their whole size when made (`posix_fallocate`), so a
+full filesystem shows then (`SlabError`), never mid-write. The slab is
+locked (`flock`, exclusive) while open: two daemons never share one. Rows
+move with `O_DIRECT` where the filesystem takes it (and rows are a multiple
+of ALIGN), else buffered, dropped from the page cache after each write.
+
+A row is written before its checksum and its entry; the entry's state byte
+is STORING from the moment its slot is handed to a write (the slot table's
+write order, kvd_client.segment), so a daemon killed mid-write leaves no
+entry that names a half-written row, and every read is checked against the
+row's CRC-32C, so a torn or damaged row is a miss.
+
+`KVD_DISK_FAULTS` (tests only) makes row I/O fail: a comma list of
+`read_eio`, `write_eio`, `read_short`, `read_slow_ms=N` (each applying to
+every call), a fault seam for what no real device here can do.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvd.io.slot_table import SlotTable
+from kvd_client.segment import HEADER, PAGE, BadSegment, SegmentHeader, read_header
+
+log = logging.getLogger("kvd.io.disk_slab")
+
+MAGIC = b"KVDSLAB\0"
+FORMAT_VERSION = 1
+SLAB_HEADER = struct.Struct("<8sIIQQQQQ32s")
+CRC_OFFSET = 12
+ALIGN = 4096  # rows, offsets and buffers for O_DIRECT
+ROW_CRC = struct.Struct("<I")
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class SlabError(OSError):
+    """A slab that cannot be made or used (no space, locked by another daemon)."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """The fault seam (`KVD_DISK_FAULTS`): what every row read or write does instead."""
+
+    read_eio: bool = False
+    write_eio: bool = False
+    read_short: bool = False
+    read_slow_s: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> Faults:
+        spec = os.environ.get("KVD_DISK_FAULTS", "")
+        if not spec:
+            return cls()
+        names = {p.strip().partition("=")[0]: p.strip().partition("=")[2] for p in spec.split(",")}
+        slow = names.pop("read_slow_ms", "")
+        unknown = set(names) - {"read_eio", "write_eio", "read_short", ""}
+        if unknown:
+            raise ValueError(f"KVD_DISK_FAULTS: unknown {sorted(unknown)}")
+        log.warning("event=disk_faults_injected faults=%s", spec)
+        return cls("read_eio" in names, "write_eio" in names, "read_short" in names,
+                   int(slow) / 1000 if slow else 0.0)  # fmt: skip
+
+
+def _slab_header(
+    slab_id: int, num_blocks: int, row_bytes: int, disk_row_bytes: int, print_: bytes
+) -> bytes:
+    raw = bytearray(SLAB_HEADER.pack(MAGIC, FORMAT_VERSION, 0, slab_id, num_blocks, row_bytes,
+                                     disk_row_bytes, ALIGN, print_))  # fmt: skip
+    struct.pack_into("<I", raw, CRC_OFFSET, zlib.crc32(raw))
+    return bytes(raw)
+
+
+def _check_slab_header(raw: bytes) -> tuple[int, int, int, int, bytes]:
+    """(slab_id, num_blocks, row_bytes, disk_row_bytes, fingerprint); BadSegment if bad."""
+    if len(raw) < SLAB_HEADER.size:
+        raise BadSegment("slab shorter than its header")
+    magic, version, crc, slab_id, n, row, disk_row, rows_offset, print_ = SLAB_HEADER.unpack(
+        raw[: SLAB_HEADER.size]
+    )
+    if magic != MAGIC:
+        raise BadSegment("no kvd slab header (bad magic)")
+    if version != FORMAT_VERSION:
+        raise BadSegment(f"slab format version {version}, this daemon reads {FORMAT_VERSION}")
+    zeroed = bytearray(raw[: SLAB_HEADER.size])
+    struct.pack_into("<I", zeroed, CRC_OFFSET, 0)
+    if zlib.crc32(zeroed) != crc:
+        raise BadSegment("slab header checksum mismatch")
+    if rows_offset != ALIGN or disk_row != round_up(row) or n < 1:
+        raise BadSegment("slab header geometry is inconsistent")
+    return slab_id, n, row, disk_row, print_
+
+
+def _entries_size(header: SegmentHeader) -> int:
+    return header.data_offset + round_up(ROW_CRC.size * header.num_blocks, PAGE)
+
+
+def _reserve(fd: int, size: int, what: Path) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise SlabError(
+            exc.errno, f"cannot reserve {size} bytes for {what}: {exc.strerror}"
+        ) from None
+
+
+def _open_direct(path: Path) -> tuple[int, bool]:
+    """The slab opened read-write, with O_DIRECT if the filesystem takes it."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC), True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC), False
+
+
+class Slab:
+    """One pool's slab and entry table, open and locked. `table` is the disk
+    index's slot sink; `crcs` the rows' checksums (u32 per slot)."""
+
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        direct: bool,
+        table: SlotTable,
+        crc_map: mmap.mmap,
+        header: SegmentHeader,
+        faults: Faults,
+    ) -> None:
+        self.path = path
+        self.fd = fd
+        self.header = header
+        self.table = table
+        self._crc_map = crc_map
+        self.crcs = memoryview(crc_map).cast("I")
+        self.row_bytes = header.row_bytes
+        self.disk_row_bytes = round_up(header.row_bytes)
+        self.num_blocks = header.num_blocks
+        # O_DIRECT only where every transfer can be aligned.
+        self.direct = direct and self.row_bytes % ALIGN == 0
+        if direct and not self.direct:
+            os.close(fd)
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.faults = faults
+        self.created = False  # made now, not adopted
+        self.closed = False  # no new I/O; the files close once the last one ends
+        self._users = 0
+        self._lock = threading.Lock()
+
+    @property
+    def size_bytes(self) -> int:
+        return ALIGN + self.num_blocks * self.disk_row_bytes + _entries_size(self.header)
+
+    def offset(self, slot: int) -> int:
+        return ALIGN + slot * self.disk_row_bytes
+
+    def read_row(self, slot: int, buf: memoryview) -> int:
+        """Reads row `slot` into `buf` (disk_row_bytes, aligned); the bytes read.
+        Raises OSError (EIO...). Runs on an I/O thread."""
+        f = self.faults
+        if f.read_slow_s:
+            time.sleep(f.read_slow_s)
+        if f.read_eio:
+            raise OSError(errno.EIO, "injected read error (KVD_DISK_FAULTS)")
+        n = os.preadv(self.fd, [buf[: self.disk_row_bytes]], self.offset(slot))
+        return n // 2 if f.read_short else n
+
+    def write_row(self, slot: int, buf: memoryview) -> int:
+        """Writes `buf` (disk_row_bytes, aligned) as row `slot`; the bytes written."""
+        if self.faults.write_eio:
+            raise OSError(errno.EIO, "injected write error (KVD_DISK_FAULTS)")
+        at = self.offset(slot)
+        n = os.pwritev(self.fd, [buf[: self.disk_row_bytes]], at)
+        if not self.direct:
+            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
+        return n
+
+    def sync(self) -> None:
+        """The entries and checksums to disk (the rows go with O_DIRECT, or their
+        write-back): after a power loss the table names fewer rows, never others."""
+        if self.closed:
+            return
+        try:
+            if not self.direct:
+                os.fdatasync(self.fd)
+            self._crc_map.flush()
+            self.table.flush()
+        except (OSError, ValueError) as exc:  # closed meanwhile, or the disk failed
+            log.debug("event=disk_sync_failed path=%s reason=%r", self.path, exc)
+
+    def enter(self) -> bool:
+        """Before a thread's row I/O: False once the slab is closing (skip the row).
+        The descriptor stays open until `leave`, so no I/O reaches a reused one."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._users += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            last = self.closed and self._users == 0
+        if last:
+            os.close(self.fd)
+
+    def close(self) -> None:
+        """Syncs and unmaps the table; the slab's descriptor (and its lock) goes
+        now, or when the last thread still reading or writing it leaves."""
+        with self._lock:
+            if self.closed:
+                return
+            self.sync()
+            self.closed = True
+            idle = self._users == 0
+        self.crcs.release()
+        self._crc_map.close()
+        self.table.close()
+        if idle:
+            os.close(self.fd)  # the lock goes with the last descriptor
+
+    def remove(self) -> None:
+        """Closes and deletes both files (the pool was dropped)."""
+        self.close()
+        for path in (self.path, self.path.with_suffix(".entries")):
+            path.unlink(missing_ok=True)
+
+
+def slab_path(disk_dir: str, pool: str) -> Path:
+    return Path(disk_dir) / f"{pool}.slab"
+
+
+def open_slab(
+    disk_dir: str,
+    entries_header: SegmentHeader,
+    *,
+    adopt: bool,
+) -> tuple[Slab, str]:
+    """The pool's slab: the existing one when `adopt` and every check passes, else
+    a new empty one (the reason it was not adopted is returned, "" if adopted or
+    none was there). `entries_header` is what the pool's entry table must say,
+    but for its generation (the slab's id). Raises SlabError (no room, locked)."""
+    pool = entries_header.name
+    path = slab_path(disk_dir, pool)
+    faults = Faults.from_env()
+    reason = ""
+    if adopt and path.exists():
+        try:
+            return _adopt(path, entries_header, faults), ""
+        except BadSegment as exc:
+            reason = str(exc)
+        except FileNotFoundError:
+            reason = "its entry table is missing"
+    elif path.with_suffix(".entries").exists() and adopt:
+        reason = "its slab is missing"
+    return _create(path, entries_header, faults), reason
+
+
+def _lock(fd: int, path: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SlabError(errno.EBUSY, f"{path} is in use by another kvd daemon") from None
+
+
+def _adopt(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
+    fd, direct = _open_direct(path)
+    try:
+        _lock(fd, path)
+    except SlabError:
+        raise
+    try:
+        raw = os.pread(fd, ALIGN, 0) if not direct else _pread_aligned(fd, ALIGN, 0)
+        slab_id, n, row, _, print_ = _check_slab_header(raw)
+        if (n, row) != (want.num_blocks, want.row_bytes):
+            raise BadSegment(f"slab holds {n} rows of {row} bytes, the pool wants "
+                             f"{want.num_blocks} of {want.row_bytes}")  # fmt: skip
+        if print_ != hashlib.sha256(want.layout).digest():
+            raise BadSegment("slab was made for another layout")
+        size = os.fstat(fd).st_size
+        if size < ALIGN + n * round_up(row):
+            raise BadSegment(
+                f"slab truncated: {size} bytes, its rows need {ALIGN + n * round_up(row)}"
+            )
+        epath = path.with_suffix(".entries")
+        efd = os.open(epath, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            header = _read_entries_header(efd)
+            if header.generation != slab_id:
+                raise BadSegment("entry table belongs to another slab")
+            if (header.num_blocks, header.row_bytes, header.layout) != (
+                want.num_blocks, want.row_bytes, want.layout,
+            ):  # fmt: skip
+                raise BadSegment("entry table disagrees with the pool's layout")
+            if os.fstat(efd).st_size != _entries_size(header):
+                raise BadSegment("entry table truncated")
+            table = SlotTable(efd, header, fresh=False)
+            crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
+                                offset=header.data_offset)  # fmt: skip
+        finally:
+            os.close(efd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Slab(path, fd, direct, table, crc_map, header, faults)
+
+
+def _pread_aligned(fd: int, size: int, offset: int) -> bytes:
+    buf = mmap.mmap(-1, size)
+    try:
+        n = os.preadv(fd, [buf], offset)
+        return bytes(buf[:n])
+    finally:
+        buf.close()
+
+
+def _read_entries_header(fd: int) -> SegmentHeader:
+    """The entry table's header (a segment header whose size check counts the
+    table only); BadSegment when it does not hold."""
+    first = os.pread(fd, PAGE, 0)
+    if len(first) < HEADER.size:
+        raise BadSegment("entry table shorter than its header")
+    fields = HEADER.unpack(first[: HEADER.size])
+    num_blocks, row_bytes, data_offset = fields[4], fields[5], fields[11]
+    return read_header(first, data_offset + num_blocks * row_bytes)
+
+
+def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    _lock(fd, path)
+    os.close(fd)  # reopened below, with O_DIRECT; the lock is re-taken first
+    slab_id = int.from_bytes(os.urandom(8), "little") >> 1
+    header = SegmentHeader(slab_id, want.num_blocks, want.row_bytes, want.slot_bytes,
+                           want.num_slots, want.slot_stride, want.replicated, want.name,
+                           want.layout, want.policy)  # fmt: skip
+    fd, direct = _open_direct(path)
+    try:
+        _lock(fd, path)
+        os.ftruncate(fd, 0)  # whatever was there goes, its rows with it
+        size = ALIGN + header.num_blocks * round_up(header.row_bytes)
+        _reserve(fd, size, path)
+        epath = path.with_suffix(".entries")
+        efd = os.open(epath, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _reserve(efd, _entries_size(header), epath)
+            table = SlotTable(efd, header, fresh=True)
+            crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
+                                offset=header.data_offset)  # fmt: skip
+        finally:
+            os.close(efd)
+        print_ = hashlib.sha256(header.layout).digest()
+        page = mmap.mmap(-1, ALIGN)
+        try:
+            page[: SLAB_HEADER.size] = _slab_header(slab_id, header.num_blocks, header.row_bytes,
+                                                    round_up(header.row_bytes), print_)  # fmt: skip
+            os.pwritev(fd, [page], 0)
+        finally:
+            page.close()
+        os.fsync(fd)
+        slab = Slab(path, fd, direct, table, crc_map, header, faults)
+        slab.created = True
+    except BaseException:
+        os.close(fd)
+        for made in (path, path.with_suffix(".entries")):  # nothing half-made stays
+            made.unlink(missing_ok=True)
+        raise
+    return slab
