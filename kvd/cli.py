@@ -173,16 +173,18 @@ def _plain(x: Any) -> Any:
 def _pools_table(pools: list[Any]) -> str:
     rows = [
         "| pool | model | world | repl | policy | blocks | ready | in flight | pinned | free "
-        "| held | GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| held | GiB | on disk |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pi in pools:
+        disk = f"{pi.disk_blocks} of {pi.disk_capacity_blocks}" if pi.disk_capacity_blocks else "-"
         rows.append(
             f"| {pi.name} | {pi.layout.model} | {pi.layout.world_size} | "
             f"{'yes' if pi.layout.replicated else 'no'} | {pi.policy} | {pi.num_blocks} | "
             f"{pi.blocks_ready} | "
             f"{pi.blocks_in_flight} | {pi.blocks_pinned} | {pi.blocks_free} | "
-            f"{pi.blocks_held} | {pi.capacity_bytes / (1 << 30):.2f} |"
+            f"{pi.blocks_held} | {pi.capacity_bytes / (1 << 30):.2f} | "
+            f"{disk} |"
         )
     return "\n".join(rows) if pools else "no pools"
 

@@ -330,6 +330,9 @@ class PoolInfo(msgspec.Struct, frozen=True):
     # Slots a warm start holds back while a job of the dead daemon may still
     # write them (SPEC 13): neither free nor holding a block.
     blocks_held: int = 0
+    # The pool's slab (SPEC 16): blocks it holds, and rows it has; 0 without one.
+    disk_blocks: int = 0
+    disk_capacity_blocks: int = 0
 
 
 class PoolsResult(_Msg, frozen=True):

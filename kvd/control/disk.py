@@ -47,6 +47,7 @@ class DiskTier:
         self.write = DiskWrites(config, pools, counters, self.threads, post, self._rows_of)
         self._synced_at = 0.0
         self._syncing = False
+        counters["disk.capacity_bytes"] = 0  # set: the disk metrics are exported from now on
         log.info("event=disk_tier dir=%s bytes=%d queue_depth=%d write_max_bytes=%d "
                  "timeout_ms=%d admit=%s", config.disk_dir, pools.disk.total if pools.disk else 0,
                  config.disk_queue_depth, config.disk_write_max_bytes, config.disk_timeout_ms,

@@ -93,7 +93,10 @@ class DiskWrites:
             self.counters["disk.writes_skipped"] += len(keys)
             return
         on_disk = part.index.is_ready
-        keys = [k for k in dict.fromkeys(keys) if not on_disk(k)]
+        there = [k for k in dict.fromkeys(keys) if on_disk(k)]
+        if there:  # stored again after RAM let them go: in use, so recent on disk too
+            part.index.touch(there)
+            keys = [k for k in dict.fromkeys(keys) if not on_disk(k)]
         if self.second:
             keys = self._admitted(part, keys, pool.geometry.num_blocks)
         if not keys:

@@ -79,4 +79,6 @@ class Pool:
             blocks_free=ix.num_free,
             sessions=self.sessions,
             blocks_held=ix.num_held,
+            disk_blocks=self.disk.index.num_ready if self.disk is not None else 0,
+            disk_capacity_blocks=self.disk.slab.num_blocks if self.disk is not None else 0,
         )

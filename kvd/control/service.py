@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 
@@ -25,6 +25,7 @@ from kvd.control.remote import RemoteTier
 from kvd.control.sessions import Session, SessionTable
 from kvd.control.stats import Stats
 from kvd.control.transfers import Transfers
+from kvd.core.index import BlockIndex
 from kvd.errors import BadRequest, KvdError
 from kvd_client import protocol as p
 from kvd_client.errors import ErrorCode
@@ -194,14 +195,22 @@ class Service:
         """One step of each pool's idle work (the server calls it once no request
         came for a while); True while more remains."""
         more = False
-        for pool in self.pools:
-            if pool.index.has_idle_work():
+        for index in self._indexes():
+            if index.has_idle_work():
                 self.counters["idle_steps"] += 1
-                more |= pool.index.settle()
+                more |= index.settle()
         return more
 
     def has_idle_work(self) -> bool:
-        return any(pool.index.has_idle_work() for pool in self.pools)
+        return any(index.has_idle_work() for index in self._indexes())
+
+    def _indexes(self) -> Iterator[BlockIndex]:
+        """Every pool's index, and its disk index (which learns its adopted blocks
+        in slices too)."""
+        for pool in self.pools:
+            yield pool.index
+            if pool.disk is not None:
+                yield pool.disk.index
 
     def collect_events(self) -> None:
         """Moves the pools' index events to `event_outbox` (the server publishes them)."""

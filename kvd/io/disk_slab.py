@@ -29,9 +29,7 @@ write order, kvd_client.segment), so a daemon killed mid-write leaves no
 entry that names a half-written row, and every read is checked against the
 row's CRC-32C, so a torn or damaged row is a miss.
 
-`KVD_DISK_FAULTS` (tests only) makes row I/O fail: a comma list of
-`read_eio`, `write_eio`, `read_short`, `read_slow_ms=N` (each applying to
-every call), a fault seam for what no real device here can do.
+Row I/O goes through the fault seam of `kvd.io.disk_faults` (tests only).
 """
 
 from __future__ import annotations
@@ -46,9 +44,9 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvd.io.disk_faults import Faults
 from kvd.io.slot_table import SlotTable
 from kvd_client.segment import HEADER, PAGE, BadSegment, SegmentHeader, read_header
 
@@ -68,30 +66,6 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 class SlabError(OSError):
     """A slab that cannot be made or used (no space, locked by another daemon)."""
-
-
-@dataclass(frozen=True)
-class Faults:
-    """The fault seam (`KVD_DISK_FAULTS`): what every row read or write does instead."""
-
-    read_eio: bool = False
-    write_eio: bool = False
-    read_short: bool = False
-    read_slow_s: float = 0.0
-
-    @classmethod
-    def from_env(cls) -> Faults:
-        spec = os.environ.get("KVD_DISK_FAULTS", "")
-        if not spec:
-            return cls()
-        names = {p.strip().partition("=")[0]: p.strip().partition("=")[2] for p in spec.split(",")}
-        slow = names.pop("read_slow_ms", "")
-        unknown = set(names) - {"read_eio", "write_eio", "read_short", ""}
-        if unknown:
-            raise ValueError(f"KVD_DISK_FAULTS: unknown {sorted(unknown)}")
-        log.warning("event=disk_faults_injected faults=%s", spec)
-        return cls("read_eio" in names, "write_eio" in names, "read_short" in names,
-                   int(slow) / 1000 if slow else 0.0)  # fmt: skip
 
 
 def _slab_header(

@@ -99,6 +99,40 @@ _REMOTE_COUNTERS = (
 )  # fmt: skip
 
 
+# The disk tier (SPEC 16), exported once it is configured (`disk.capacity_bytes`
+# is then always in the counters): (metric, help, key).
+_DISK_COUNTERS = (
+    ("kvd_disk_hits", "Blocks read from the disk tier, verified, and made ready.", "disk.hits"),
+    ("kvd_disk_misses", "Lookups past RAM whose next block the disk tier did not hold.",
+     "disk.misses"),
+    ("kvd_disk_fetches", "Reads from the disk tier started by lookups.", "disk.fetches"),
+    ("kvd_disk_bad_rows", "Rows read back short or failing their checksum: misses.",
+     "disk.bad_rows"),
+    ("kvd_disk_rows_dropped", "Damaged rows dropped from the disk index.", "disk.rows_dropped"),
+    ("kvd_disk_fetch_failures", "Blocks given slots for a disk read that did not end ready.",
+     "disk.fetch_failures"),
+    ("kvd_disk_timeouts", "Disk reads given up past disk_timeout_ms.", "disk.timeouts"),
+    ("kvd_disk_blocks_written", "Blocks written to the disk tier.", "disk.blocks_written"),
+    ("kvd_disk_writes_skipped",
+     "Blocks not written: past the bytes-in-flight bound, pin cap, reset, or evicted.",
+     "disk.writes_skipped"),
+    ("kvd_disk_writes_deferred", "Blocks stored once, written at their second store "
+     "(disk_admit = second).", "disk.writes_deferred"),
+    ("kvd_disk_writes_failed", "Blocks whose write failed.", "disk.writes_failed"),
+    ("kvd_disk_errors", "Row reads and writes that failed (EIO, ...).", "disk.errors"),
+    ("kvd_disk_no_room", "Disk reads not started: no RAM room for them.", "disk.no_room"),
+)  # fmt: skip
+_DISK_GAUGES = (
+    ("kvd_disk_used_bytes", "Bytes of rows the disk tier holds.", "disk.bytes_used"),
+    ("kvd_disk_capacity_bytes", "Bytes of rows the slabs can hold.", "disk.capacity_bytes"),
+    ("kvd_disk_blocks", "Blocks the disk tier holds.", "disk.blocks"),
+    ("kvd_disk_write_bytes_in_flight", "Bytes the disk write-behind holds pinned now.",
+     "disk.write_bytes_in_flight"),
+    ("kvd_disk_slabs_failed", "Pools left without a disk tier: their slab could not be made.",
+     "disk.slabs_failed"),
+)  # fmt: skip
+
+
 class Metrics(Collector):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -185,6 +219,8 @@ class Metrics(Collector):
         )
         if "remote.connected" in c:
             yield from self._remote(c)
+        if "disk.capacity_bytes" in c:
+            yield from self._disk(c)
         yield CounterMetricFamily(
             "kvd_lease_expirations", "Sessions rolled back at lease expiry.", s.lease_expirations
         )
@@ -243,6 +279,20 @@ class Metrics(Collector):
             "kvd_remote_write_bytes_in_flight", "Bytes the write-behind holds pinned now.",
             c.get("remote.write_bytes_in_flight", 0),
         )  # fmt: skip
+
+    @staticmethod
+    def _disk(c: dict[str, int]) -> Iterator[Metric]:
+        for name, text, key in _DISK_COUNTERS:
+            yield CounterMetricFamily(name, text, value=c.get(key, 0))
+        for name, text, key in _DISK_GAUGES:
+            yield GaugeMetricFamily(name, text, c.get(key, 0))
+        moved = CounterMetricFamily(
+            "kvd_disk_bytes", "Bytes of rows moved to and from the disk tier.",
+            labels=["direction"],
+        )  # fmt: skip
+        moved.add_metric(["read"], c.get("disk.bytes_read", 0))
+        moved.add_metric(["written"], c.get("disk.bytes_written", 0))
+        yield moved
 
     @staticmethod
     def _by_prefix(
