@@ -11,6 +11,7 @@ test_disk_faults.py.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,70 @@ def test_a_block_pushed_out_of_ram_is_served_from_disk(host: Host) -> None:
         assert c.get("disk.bad_rows", 0) == 0 and c.get("disk.errors", 0) == 0
     finally:
         e.close()
+
+
+def test_blocks_on_disk_are_announced_as_storage_local(host: Host) -> None:
+    from tests.integration.test_remote import replayed_events
+
+    e = Engine(host, "announced")
+    try:
+        keys = keys_of("announced")
+        e.store(keys, seed=5)
+        wait_for("the write-behind", lambda: any(
+            pi.name == "announced" and pi.disk_blocks >= BLOCKS
+            for pi in e.scheduler.stats().pools))  # fmt: skip
+        events = [ev for ev in replayed_events(host.daemon) if ev.get("type") == "BlockStored"]
+        on_disk = {h for ev in events if ev.get("medium") == "STORAGE"
+                   and ev.get("locality") == "LOCAL" for h in ev["block_hashes"]}  # fmt: skip
+        in_ram = {h for ev in events if ev.get("medium") == "CPU" for h in ev["block_hashes"]}
+        assert set(keys) <= on_disk and set(keys) <= in_ram
+    finally:
+        e.close()
+
+
+def test_a_reset_empties_the_disk_and_a_drop_deletes_the_slab(host: Host) -> None:
+    import subprocess
+    import sys
+
+    e = Engine(host, "emptied")
+    try:
+        keys = keys_of("emptied")
+        e.store(keys, seed=9)
+        wait_for("the write-behind", lambda: disk_blocks(e, "emptied") >= BLOCKS)
+        e.scheduler.reset()
+        wait_for("the reset", lambda: disk_blocks(e, "emptied") == 0)
+        wait_for("no hit anywhere", lambda: e.scheduler.lookup(keys) == 0)
+    finally:
+        e.close()
+    slab = Path(host.daemon.flags["disk-dir"]) / "emptied.slab"
+    assert slab.exists() and slab.with_suffix(".entries").exists()
+    out = subprocess.run([sys.executable, "-m", "kvd", "pool", "drop", "emptied",
+                          "--runtime-dir", str(host.daemon.runtime_dir)],
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert not slab.exists() and not slab.with_suffix(".entries").exists()
+
+
+def disk_blocks(e: Engine, pool: str) -> int:
+    return next(pi.disk_blocks for pi in e.scheduler.stats().pools if pi.name == pool)
+
+
+def test_with_disk_admit_second_a_block_goes_to_disk_at_its_second_store() -> None:
+    with disk_dir() as d, disk_host(d, disk_admit="second") as h:
+        e = Engine(h, "twice")
+        try:
+            keys = keys_of("twice")
+            e.store(keys, seed=3)
+            wait_for("the first store seen", lambda: counters(h.daemon).get(
+                "disk.writes_deferred", 0) >= BLOCKS)  # fmt: skip
+            assert disk_blocks(e, "twice") == 0
+            push_out_of_ram(e, "twice")
+            wait_for("out of RAM", lambda: e.scheduler.lookup(keys) == 0)
+            stored = e.store(keys, seed=3)
+            wait_for("the second store written", lambda: disk_blocks(e, "twice") >= BLOCKS)
+            push_out_of_ram(e, "twice-again")
+            seen = fetch_all(e.scheduler, keys)
+            assert None in seen  # read back from disk
+            assert e.load(keys) == stored
+        finally:
+            e.close()

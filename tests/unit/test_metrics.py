@@ -216,3 +216,22 @@ def test_remote_tier_series_only_with_a_remote_tier() -> None:
     assert value(m, "kvd_remote_bytes_total", direction="read") == 1 << 22
     assert value(m, "kvd_remote_bytes_total", direction="written") == 1 << 23
     assert value(m, "kvd_remote_write_bytes_in_flight") == 4096
+
+
+def test_the_disk_tier_series_appear_once_it_is_configured() -> None:
+    m = Metrics()
+    m.update(stats(COUNTERS))
+    assert not any(name.startswith("kvd_disk_") for name, _ in samples(m))
+    disk = {"disk.capacity_bytes": 1 << 30, "disk.hits": 12, "disk.bad_rows": 1,
+            "disk.bytes_read": 4096, "disk.bytes_written": 8192, "disk.blocks": 5,
+            "disk.bytes_used": 5 << 12, "disk.writes_skipped": 3}  # fmt: skip
+    m.update(stats({**COUNTERS, **disk}))
+    assert value(m, "kvd_disk_hits_total") == 12
+    assert value(m, "kvd_disk_bad_rows_total") == 1
+    assert value(m, "kvd_disk_writes_skipped_total") == 3
+    assert value(m, "kvd_disk_timeouts_total") == 0  # known counters start at 0
+    assert value(m, "kvd_disk_bytes_total", direction="read") == 4096
+    assert value(m, "kvd_disk_bytes_total", direction="written") == 8192
+    assert value(m, "kvd_disk_capacity_bytes") == 1 << 30
+    assert value(m, "kvd_disk_used_bytes") == 5 << 12
+    assert value(m, "kvd_disk_blocks") == 5
