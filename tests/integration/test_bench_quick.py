@@ -256,10 +256,12 @@ def check_suite(suite: str, rows: list[dict[str, Any]]) -> None:
     elif suite == "throughput":
         zero = [r for r in rows if r["hit_rate"] == 0]
         assert zero and all(r["speedup"] == 1 for r in zero), rows
-    elif suite == "trace":  # Belady's optimum bounds every policy
-        best = {r["capacity_blocks"]: r["hit_rate"] for r in rows if r["policy"] == "belady"}
-        assert best and all(r["hit_rate"] <= best[r["capacity_blocks"]] for r in rows), rows
-        assert {"lru", "arc"} <= {r["policy"] for r in rows}
+    elif suite == "trace":  # Belady's optimum bounds every policy (RAM alone)
+        ram = [r for r in rows if "tier" not in r]
+        best = {r["capacity_blocks"]: r["hit_rate"] for r in ram if r["policy"] == "belady"}
+        assert best and all(r["hit_rate"] <= best[r["capacity_blocks"]] for r in ram), rows
+        assert {"lru", "arc"} <= {r["policy"] for r in ram}
+        _check_disk_tier(rows)
     elif suite == "transfer":
         assert {r["layout"] for r in rows} == {"contiguous", "per_layer"}
     elif suite == "vllm":
@@ -277,6 +279,27 @@ def check_suite(suite: str, rows: list[dict[str, Any]]) -> None:
         kvd = [r for r in rows if r["system"] == "kvd"]
         assert all(r["tokens_equal"] for r in kvd), kvd
         assert all(r["hit_rate"] > 0 for r in kvd if r["measure"].startswith("ttft")), kvd
+
+
+def _check_disk_tier(rows: list[dict[str, Any]]) -> None:
+    """`kvd bench trace`'s disk rows on the shared trace: per policy, RAM + a disk
+    10x larger hits at least as often as RAM alone, the disk serves hits, and
+    admitting on the second store writes fewer blocks than admitting every one."""
+    alone = {(r["policy"], r["capacity_blocks"]): r["hit_rate"] for r in rows if "tier" not in r}
+    refs = {(r["policy"], r["capacity_blocks"]) for r in rows if r.get("tier") == "ram"}
+    tiered = [r for r in rows if r.get("tier") == "ram+disk"]
+    assert {"lru", "arc"} <= {r["policy"] for r in tiered}, rows
+    written: dict[tuple[str, int], dict[str, int]] = {}
+    for r in tiered:
+        policy, capacity = r["policy"], r["capacity_blocks"]
+        assert r["disk_capacity_blocks"] == 10 * capacity, r
+        assert {(policy, capacity), (policy, 11 * capacity)} <= refs, r
+        assert r["hit_rate"] >= alone[policy, capacity], r
+        assert r["disk_hit_rate"] > 0, r
+        assert r["hit_rate"] == pytest.approx(r["ram_hit_rate"] + r["disk_hit_rate"], abs=2e-4)
+        written.setdefault((policy, capacity), {})[r["disk_admit"]] = r["disk_blocks_written"]
+    for pair in written.values():
+        assert 0 < pair["second"] < pair["always"], written
 
 
 def _needs_lmcache() -> Any:

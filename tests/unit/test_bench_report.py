@@ -29,6 +29,18 @@ INDEX_FIELDS = [
     "table_bytes_per_block",
 ]
 TRACE_FIELDS = ["trace", "capacity_blocks", "policy", "hit_rate"]
+TIER_FIELDS = [
+    "tier",
+    "trace",
+    "capacity_blocks",
+    "disk_capacity_blocks",
+    "policy",
+    "disk_admit",
+    "ram_hit_rate",
+    "disk_hit_rate",
+    "hit_rate",
+    "disk_blocks_written",
+]
 
 
 def test_index_suite_writes_spec_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,10 +81,18 @@ def test_trace_suite_writes_spec_json(tmp_path: Path) -> None:
 
     doc = json.loads(out.read_text())
     assert doc["suite"] == "trace"
-    assert [list(row) for row in doc["rows"]] == [TRACE_FIELDS] * (2 * (len(POLICIES) + 1))
-    assert [row["policy"] for row in doc["rows"]] == [*POLICIES, "belady"] * 2
+    rows = [row for row in doc["rows"] if "tier" not in row]
+    assert [list(row) for row in rows] == [TRACE_FIELDS] * (2 * (len(POLICIES) + 1))
+    assert [row["policy"] for row in rows] == [*POLICIES, "belady"] * 2
     assert {row["trace"] for row in doc["rows"]} == {"tiny.jsonl"}
-    assert [row["capacity_blocks"] for row in doc["rows"]][:: len(POLICIES) + 1] == [2, 3]
+    assert [row["capacity_blocks"] for row in rows][:: len(POLICIES) + 1] == [2, 3]
+    # Then the disk tier's rows, after every RAM row: per capacity and policy,
+    # RAM alone at C and 11 C, then RAM + disk per admission rule.
+    tiers = doc["rows"][len(rows) :]
+    assert [list(row) for row in tiers] == [TIER_FIELDS] * (2 * len(POLICIES) * 4)
+    assert [row["tier"] for row in tiers[:4]] == ["ram", "ram", "ram+disk", "ram+disk"]
+    assert [row["capacity_blocks"] for row in tiers[:4]] == [2, 22, 2, 2]
+    assert [row["disk_admit"] for row in tiers[:4]] == [None, None, "always", "second"]
 
 
 def _fake_suite(monkeypatch: pytest.MonkeyPatch, name: str, rows: list[Row] | None) -> str:
