@@ -165,9 +165,9 @@ class DiskReads:
                                 bad = 1
                                 log.info("event=disk_row_refused pool=%s key=%s reason=checksum",
                                          fetch.pool, key.hex())  # fmt: skip
-            except OSError as exc:
+            except Exception as exc:  # OSError; ValueError: the pool's map went; a bug
                 error = 1
-                log.info("event=disk_read_failed pool=%s slot=%d reason=%s", fetch.pool,
+                log.info("event=disk_read_failed pool=%s slot=%d reason=%r", fetch.pool,
                          fetch.disk_slots[i], exc)  # fmt: skip
             finally:
                 slab.leave()

@@ -103,9 +103,11 @@ class DiskWrites:
             return
         row_bytes = pool.geometry.row_bytes
         room = max(0, (self.bound - self.in_flight) // row_bytes)
+        # ... and what the writer may pin of the pool (half of it): the rest skipped
+        room = min(room, pool.owned.pin_cap - pool.owned.pinned_by(WRITER_ACCOUNT))
         if room < len(keys):
-            self.counters["disk.writes_skipped"] += len(keys) - room
-            keys = keys[:room]
+            self.counters["disk.writes_skipped"] += len(keys) - max(0, room)
+            keys = keys[: max(0, room)]
         ready = [k for k in keys if pool.index.is_ready(k)]  # not evicted since
         self.counters["disk.writes_skipped"] += len(keys) - len(ready)
         if not ready:
@@ -165,9 +167,9 @@ class DiskWrites:
                 crc = copy_crc(buf[:row], write.rows.view()[at : at + row], crc32c(write.keys[i]))
                 if slab.write_row(write.disk_slots[i], buf) < slab.disk_row_bytes:
                     raise OSError("short write")
-            except (OSError, ValueError) as exc:  # ValueError: the pool's map went
+            except Exception as exc:  # OSError; ValueError: the pool's map went; a bug
                 crc, error = None, 1
-                log.info("event=disk_write_failed pool=%s slot=%d reason=%s", write.pool,
+                log.info("event=disk_write_failed pool=%s slot=%d reason=%r", write.pool,
                          write.disk_slots[i], exc)  # fmt: skip
             finally:
                 slab.leave()

@@ -6,7 +6,8 @@ when kvd's pool is chosen (`pages.choose_pool`) and a `kvd_client.Scheduler`
 session opens. SGLang's cache controller then calls it from its threads:
 
 - prefetch thread: `batch_exists` (leading hits, from the pool's ready
-  table: no round trip, SPEC section 15), then `batch_get_v1(keys,
+  table: no round trip, SPEC section 15; a short answer asks the daemon when
+  it has a disk or remote tier, and waits briefly while it reads), then `batch_get_v1(keys,
   host_indices)`: the leading hits pinned in one round trip, copied slot ->
   host page as one job of kvd's CPU backend (`segments`), released;
 - backup thread: `batch_set_v1(keys, host_indices)`: `prepare_store`, one
@@ -47,6 +48,11 @@ from kvd_client.sglang.segments import Segment, Segments
 
 log = logging.getLogger("kvd_client.sglang")
 DEFAULT_TIMEOUT_MS = 1000
+# `batch_exists` asks again while the daemon answers "retry later" (a block
+# another engine is storing, or the disk or remote tier reading the rest into
+# RAM), on SGLang's prefetch thread, for at most this long; then a miss.
+RETRY_WAIT_S = 0.5
+RETRY_EVERY_S = 0.002
 
 
 class KvdHiCacheStorage(HiCacheStorage):
@@ -322,13 +328,20 @@ class KvdHiCacheStorage(HiCacheStorage):
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """Leading keys ready in the pool, read from its ready table (no round trip
-        where the daemon publishes one); 0 when off or down, or when the first key
-        that is not ready is still being stored."""
+        where the daemon publishes one); 0 when off or down. While the daemon
+        answers "retry later" (the next key being stored, or read back from its
+        disk or remote tier) it asks again, for RETRY_WAIT_S at most."""
         try:
             sched = self.scheduler
             if sched is None or not keys:
                 return 0
-            return sched.lookup(kvd_keys(keys)) or 0
+            ks = kvd_keys(keys)
+            hits = sched.lookup(ks)
+            deadline = time.monotonic() + RETRY_WAIT_S
+            while hits is None and time.monotonic() < deadline:
+                time.sleep(RETRY_EVERY_S)
+                hits = sched.lookup(ks)
+            return hits or 0
         except Exception as exc:
             self._failures.note("lookup", exc, "missed")
             return 0
