@@ -210,6 +210,11 @@ class PoolAdmin:
         self._need_operator(req.token, "CheckInvariants")
         problems = [
             f"{pool.name}: {x}" for pool in self.pools for x in pool.index.check_invariants()
+        ] + [
+            f"{pool.name} (disk): {x}"
+            for pool in self.pools
+            if pool.disk is not None
+            for x in pool.disk.index.check_invariants()
         ]
         return p.InvariantsResult(req.req_id, problems)
 

@@ -121,3 +121,13 @@ def test_with_disk_admit_second_a_block_goes_to_disk_at_its_second_store() -> No
             assert e.load(keys) == stored
         finally:
             e.close()
+
+
+def test_the_indexes_hold_their_invariants_after_all_this(host: Host) -> None:
+    """Runs last in this module: the RAM and disk indexes of every pool above."""
+    e = Engine(host, "evicted")
+    try:
+        assert e.scheduler.check_invariants(host.daemon.admin_token) == []
+        assert any(pi.disk_blocks for pi in e.scheduler.stats().pools)
+    finally:
+        e.close()
