@@ -17,7 +17,9 @@ A fetch that has not finished within `disk_timeout_ms` is given up (`expire`,
 on the loop's tick): what was copied and checked becomes ready, the rest is
 freed, and lookups count their hits again; a thread that finishes a row of a
 fetch given up copies nothing (the check and the copy are under the fetch's
-lock), so no byte lands in a slot the loop has freed.
+lock), so no byte lands in a slot the loop has freed. Until its threads are
+done with its rows (a stalled disk may hold them long), its keys start no
+other fetch: a lookup that stops at one answers its hits, not None again.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class DiskReads:
         self.timeout_s = config.disk_timeout_ms / 1000
         self._ids = itertools.count(1)
         self._fetches: dict[int, Fetch] = {}
+        # (pool, key) -> the fetch given up by its timeout whose rows are still
+        # being read: lookups stopping at the key answer their hits meanwhile.
+        self._stalled: dict[tuple[str, bytes], int] = {}
 
     def lookup(self, pool: Pool, keys: Sequence[bytes], hits: int, now: float) -> int | None:
         """A lookup with `hits` leading RAM hits, then a miss: None while the disk's
@@ -100,6 +105,9 @@ class DiskReads:
         on disk for them, or no room: the next tier's turn)."""
         part = pool.disk
         if part is None or part.resetting or pool.resetting:
+            return hits
+        if (pool.name, keys[hits]) in self._stalled:  # its last read is still on the disk
+            self.counters["disk.stalled_skips"] += 1
             return hits
         row = pool.geometry.row_bytes
         limit = max(1, min(MAX_FETCH_BYTES // row, pool.geometry.num_blocks // 4))
@@ -185,6 +193,10 @@ class DiskReads:
     # -- on the loop -----------------------------------------------------------
 
     def _fetched(self, fetch: Fetch) -> None:
+        stalled = self._stalled
+        for key in fetch.keys:
+            if stalled.get((fetch.pool, key)) == fetch.fetch_id:
+                del stalled[(fetch.pool, key)]
         self.counters["disk.bad_rows"] += fetch.bad
         self.counters["disk.errors"] += fetch.errors
         self.counters["disk.bytes_read"] += fetch.nbytes
@@ -245,6 +257,8 @@ class DiskReads:
                 log.info("event=disk_fetch_timeout pool=%s blocks=%d", fetch.pool,
                          len(fetch.keys))  # fmt: skip
                 self._settle(fetch)
+                for key in fetch.keys:  # until its threads are done with the rows
+                    self._stalled[(fetch.pool, key)] = fetch.fetch_id
 
     def give_up_pool(self, name: str) -> None:
         """A reset or a drop: every fetch of the pool ends now."""
