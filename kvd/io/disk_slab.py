@@ -343,8 +343,10 @@ def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
                            want.num_slots, want.slot_stride, want.replicated, want.name,
                            want.layout, want.policy)  # fmt: skip
     fd, direct = _open_direct(path)
+    # Outside the try: a daemon that took the lock since is refused, its files
+    # stay, and `_lock` closed the descriptor already.
+    _lock(fd, path)
     try:
-        _lock(fd, path)
         os.ftruncate(fd, 0)  # whatever was there goes, its rows with it
         size = ALIGN + header.num_blocks * round_up(header.row_bytes)
         _reserve(fd, size, path)
