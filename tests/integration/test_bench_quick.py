@@ -70,6 +70,20 @@ SPEC_FIELDS: dict[str, list[list[str]]] = {
         ]
     ],
     "remote": [["value_bytes", "fetch_gbps", "bare_get_gbps", "ratio"]],
+    "disk": [
+        [
+            "row_bytes",
+            "queue_depth",
+            "fetch_gbps",
+            "bare_read_gbps",
+            "ratio",
+            "store_gbps",
+            "bare_write_gbps",
+            "store_ratio",
+            "files_store_gbps",
+            "files_load_gbps",
+        ]
+    ],
     "sglang": [
         ["op", "pages", "page_bytes", "kvd_gbps", "file_gbps", "memcpy_gbps", "vs_memcpy"],
         ["exists_keys", "kvd_us_per_key", "dict_us_per_key", "file_us_per_key"],
@@ -97,14 +111,15 @@ EXTRA_SHAPES: dict[str, set[str]] = {
     "remote": {"lookup_keys", "trace"},  # remote lookup latency, the two-host replay
     "vllm": {"workload", "copies"},  # multi-turn (not in --quick); a decode step's copies
 }
-STRINGS = {"layout", "policy", "trace", "variant", "model", "system", "measure", "copies"}
+STRINGS = {"layout", "policy", "trace", "variant", "model", "system", "measure", "copies",
+           "tier", "event"}  # fmt: skip
 BOOLS = {"tokens_equal", "stores_copied"}
 # Figures that must be above 0: rates, ratios, times, sizes.
 POSITIVE = (
     "ratio", "speedup", "_gbps", "_us", "_ms", "ops_per_s", "requests_per_s", "_per_block",
     "num_blocks", "slot_bytes", "clients", "keys", "world_size", "prompt_tokens",
     "capacity_blocks", "value_bytes", "waiting_requests", "seconds", "ops", "rss_",
-    "_per_request", "_per_key_",
+    "_per_request", "_per_key_", "row_bytes", "queue_depth",
 )  # fmt: skip
 # Wall-clock limits of one quick run: generous, for a loaded 2-core host.
 TIMEOUT_S = {"peers": 900, "vllm": 420, "e2e": 240, "throughput": 240, "soak": 180, "remote": 180}
@@ -243,10 +258,19 @@ def check_suite(suite: str, rows: list[dict[str, Any]]) -> None:
                        for kind in ("replicated", "sharded"))  # fmt: skip
             assert rep["host_bytes_per_block"] * ws == sh["host_bytes_per_block"]
             assert rep["d2h_bytes_per_block"] * ws == sh["d2h_bytes_per_block"]
-    elif suite == "restart":  # every block back and verified
+    elif suite == "restart":  # every block back and verified, from RAM and from disk
         for r in rows:
             assert r["blocks_ready_before"] == r["num_blocks"]
             assert r["blocks_ready_after"] == r["blocks_verified"] == r["num_blocks"]
+        disk = [r for r in rows if r["tier"] == "disk"]
+        assert {r["event"] for r in disk} == {"sigkill", "reboot"}, rows
+        # After a reboot RAM is empty: every block came from the disk.
+        assert all(r["from_disk"] == r["num_blocks"] for r in disk if r["event"] == "reboot")
+    elif suite == "disk":  # both row sizes; rows read back from disk equal what was stored
+        assert {r["row_bytes"] for r in rows} == {256 << 10, 2 << 20}, rows
+        for r in rows:
+            assert r["blocks_checked"] > 0 and r["blocks_verified"] == r["blocks_checked"], r
+            assert r["disk_bad_rows"] == 0 and r["disk_errors"] == 0, r
     elif suite == "soak":
         assert rows[0]["violations"] == 0, rows[0].get("findings")
         assert rows[0]["ops"] > 0 and rows[0]["faults"] > 0

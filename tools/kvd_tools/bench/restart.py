@@ -24,12 +24,16 @@ can afford it"): `block_crc_gb_per_s` is zlib's crc32 over 64 MiB of rows in
 this process, the rate at which the daemon would have to read every stored
 block to checksum it. One H100's host-to-device copy engine moves about 25
 GB/s; a checksum slower than that would make the daemon the limit.
+
+Each row says its `tier`: "ram" for these; "disk" for the disk tier's rows
+(`kvd_tools.bench.restart_disk`: blocks back from the disk after a SIGKILL
+and after a simulated reboot, the first disk hit at `--disk-sizes` blocks),
+with the same fields. `--tiers` picks them (default both).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import os
 import re
@@ -37,6 +41,9 @@ import signal
 import time
 from typing import Any
 
+from kvd_tools.bench.restart_disk import disk_rows
+from kvd_tools.bench.restart_disk import summarize as summarize_disk
+from kvd_tools.bench.restarts import wait_for_new_socket
 from kvd_tools.bench.sizing import max_total_bytes, pool_footprint
 from kvd_tools.launcher import PRIVATE_FLAGS, DaemonProcess
 
@@ -90,23 +97,6 @@ def _store_cost(num_blocks: int, with_table: bool) -> float:
             os.close(fd)
 
 
-def _wait_for_new_socket(daemon: DaemonProcess, stale: tuple[int, int], t0: float) -> None:
-    """Until the new daemon bound its control socket (a new file in place of the
-    dead one's): the scheduler then connects at once, as an engine's would."""
-    from kvd_tools.bench.suites import SuiteError
-
-    while True:
-        with contextlib.suppress(FileNotFoundError):  # between the unlink and the bind
-            st = daemon.socket_path.stat()
-            if (st.st_ino, st.st_ctime_ns) != stale:
-                return
-        if daemon.proc is not None and daemon.proc.poll() is not None:
-            raise SuiteError(f"the daemon exited with {daemon.proc.returncode}")
-        if time.monotonic() - t0 > 120:
-            raise SuiteError("the daemon did not listen within 120 s of the restart")
-        time.sleep(0.002)
-
-
 def _blocks_ready(endpoint: str) -> int:
     """The bench pool's ready blocks, as the daemon counts them (`Pools`)."""
     from kvd_client import protocol as p
@@ -136,6 +126,11 @@ def _crc_rate() -> float:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = _ram_rows(args) if "ram" in args.tiers else []
+    return rows + (disk_rows(args) if "disk" in args.tiers else [])
+
+
+def _ram_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from kvd_client import Layout, Scheduler
     from kvd_client.worker import Mapping
     from kvd_tools.bench.suites import SuiteError
@@ -169,7 +164,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             stale = (st.st_ino, st.st_ctime_ns)
             t0 = time.monotonic()
             daemon.start(wait=False)
-            _wait_for_new_socket(daemon, stale, t0)
+            wait_for_new_socket(daemon, stale, t0)
             with Scheduler("bench-restart", layout, engine_id="bench2", endpoint=daemon.endpoint,
                            timeout_ms=60_000) as s:  # fmt: skip
                 while s.lookup(keys[:1]) != 1:
@@ -200,6 +195,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows_map.close()
             found = re.findall(r"event=pool_adopted .* seconds=([0-9.]+)", daemon.log())
             rows.append({
+                "tier": "ram",
                 "num_blocks": num_blocks,
                 "blocks_ready_before": before,
                 "blocks_ready_after": after,
@@ -219,6 +215,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def summarize(rows: list[dict[str, Any]]) -> list[str]:
     out = []
     for r in rows:
+        if r["tier"] == "disk":
+            out += summarize_disk([r])
+            continue
         back = r["blocks_verified"] / max(1, r["blocks_ready_before"])
         out.append(
             f"{r['num_blocks']} blocks: {back:.1%} of the ready blocks back and verified "

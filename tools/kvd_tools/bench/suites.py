@@ -428,6 +428,40 @@ def _restart_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N,...",
         help="pool sizes in blocks of 256 bytes (default: 100000,1000000)",
     )
+    p.add_argument(
+        "--tiers",
+        type=_tiers,
+        default=["ram", "disk"],
+        metavar="T,...",
+        help="ram (a pool's segment), disk (the disk tier) (default: ram,disk)",
+    )
+    p.add_argument(
+        "--disk-sizes",
+        type=positive_ints,
+        default=[1_000_000],
+        metavar="N,...",
+        help="blocks on disk for the disk rows (default: 1000000)",
+    )
+    p.add_argument(
+        "--disk-row-bytes",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="the disk rows' block size (default: 4096: 4 GiB at 1M blocks)",
+    )
+    p.add_argument(
+        "--dir",
+        default="/tmp",
+        metavar="DIR",
+        help="where the disk rows' disk dir goes (default: /tmp)",
+    )
+
+
+def _tiers(text: str) -> list[str]:
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    if not tiers or set(tiers) - {"ram", "disk"}:
+        raise argparse.ArgumentTypeError(f"expected ram and/or disk, got {text!r}")
+    return tiers
 
 
 def _lookup_arguments(p: argparse.ArgumentParser) -> None:
@@ -513,6 +547,43 @@ def _remote_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--capacity", type=positive_int, default=2000, metavar="N",
                    help="blocks each host's pool holds in the replay (default: 2000)")  # fmt: skip
+
+
+def _disk_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--row-bytes",
+        type=positive_ints,
+        default=[256 << 10, 2 << 20],
+        metavar="N,...",
+        help="block row sizes (default: 262144,2097152)",
+    )
+    p.add_argument(
+        "--mib",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="MiB of blocks stored and read back per size and round (default: 512)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="interleaved rounds of kvd, bare and file-per-block (default: 3)",
+    )
+    p.add_argument(
+        "--queue-depth",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="the daemon's disk_queue_depth and the baselines' threads (default: 16)",
+    )
+    p.add_argument(
+        "--dir",
+        default="/tmp",
+        metavar="DIR",
+        help="where the disk dir and the baselines' files go (default: /tmp)",
+    )
 
 
 def _peers_arguments(p: argparse.ArgumentParser) -> None:
@@ -766,7 +837,7 @@ SUITES: dict[str, Suite] = {
         "kvd_tools.bench.restart",
         "the cache across a daemon SIGKILL: blocks back and verified, seconds to the first hit",
         _restart_arguments,
-        {"sizes": [2000]},
+        {"sizes": [2000], "disk_sizes": [10_000]},
     ),
     "remote": Suite(
         "kvd_tools.bench.remote",
@@ -781,6 +852,12 @@ SUITES: dict[str, Suite] = {
             "requests": 200,
             "capacity": 200,
         },
+    ),
+    "disk": Suite(
+        "kvd_tools.bench.disk",
+        "the disk tier: fetch and store GB/s vs bare O_DIRECT and vs a file per block",
+        _disk_arguments,
+        {"row_bytes": [256 << 10, 2 << 20], "mib": 8, "rounds": 1},
     ),
     "vllm": Suite(
         "kvd_tools.bench.vllm_bench",
