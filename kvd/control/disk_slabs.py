@@ -111,7 +111,7 @@ class DiskSlabs:
         start = time.monotonic()
         try:
             slab, refused = open_slab(self.config.disk_dir, want, adopt=self.adopt)
-        except (SlabError, OSError) as exc:
+        except (SlabError, OSError, ValueError) as exc:  # ValueError: KVD_DISK_FAULTS
             with self._lock:
                 self._sizes.pop(name, None)
                 self.failed += 1

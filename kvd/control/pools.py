@@ -313,17 +313,14 @@ class PoolRegistry:
                     table = make_table(region, geometry.num_blocks, header.generation,
                                        gid=self._gid, manifest=self._manifest)  # fmt: skip
                 disk = self.disk.open(pool_name, layout, geometry, policy) if self.disk else None
-                pool = self._add(
-                    pool_name,
-                    layout,
-                    geometry,
-                    header.generation,
-                    region,
-                    index,
-                    policy,
-                    table,
-                    disk,
-                )
+                try:
+                    pool = self._add(pool_name, layout, geometry, header.generation, region,
+                                     index, policy, table, disk)  # fmt: skip
+                except BaseException:
+                    if disk is not None and self.disk is not None:  # not left open and locked
+                        disk.slab.close()
+                        self.disk.forget(pool_name)
+                    raise
                 index.adopt(slots, keys, policy_later=True, slot_of=slot_of, held=storing)
                 # Jobs of the dead daemon were made before now: their hard deadlines
                 # (two job timeouts after they were made) are all behind this one.

@@ -186,7 +186,7 @@ class Transfers:
         if outcome is not None:
             self._apply([outcome])
             if req.ok:  # saturates: a counter must stay encodable
-                name = f"bytes_{outcome.job.kind}d"
+                name = "bytes_stored" if outcome.job.kind == "store" else "bytes_loaded"
                 self._counters[name] = min(self._counters[name] + req.nbytes, MAX_COUNTER)
         return p.Ok(req.req_id)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.disk_hosts import RAM_BLOCKS, disk_dir, disk_host
+from tests.integration.disk_hosts import RAM_BLOCKS, ROW_BYTES, disk_dir, disk_host
 from tests.integration.remote_hosts import BLOCKS, TP, Engine, Host, counters, fetch_all, wait_for
 
 
@@ -52,6 +52,7 @@ def test_a_block_pushed_out_of_ram_is_served_from_disk(host: Host) -> None:
         c = counters(host.daemon)
         assert c["disk.hits"] >= BLOCKS
         assert c.get("disk.bad_rows", 0) == 0 and c.get("disk.errors", 0) == 0
+        assert c["bytes_loaded"] >= BLOCKS * ROW_BYTES  # what kvd_transfer_bytes{load} shows
     finally:
         e.close()
 
