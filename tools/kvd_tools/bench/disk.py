@@ -46,7 +46,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,37 +225,72 @@ def _release(whole: memoryview, views: list[memoryview]) -> None:
     whole.release()
 
 
+Step = Callable[[], dict[str, float]]
+
+
+def _rotated(steps: list[Step], rnd: int) -> dict[str, float]:
+    """The steps one after the other, round `rnd` starting with step `rnd` (mod
+    their number): over the rounds each goes first, second, ... as often."""
+    k = rnd % len(steps)
+    figures: dict[str, float] = {}
+    for step in steps[k:] + steps[:k]:
+        os.sync()  # each starts with the writes before it on the disk (see the module)
+        figures |= step()
+    return figures
+
+
+def _per_gb(name: str, timing: disk_io.Timing, sz: Sizes, cpu: str) -> dict[str, float]:
+    return {f"{name}_gbps": timing.gbps(sz.nbytes), cpu: timing.cpu_s / (sz.nbytes / 1e9)}
+
+
 def _stores(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes], where: Path,
-            pid: int) -> dict[str, float]:  # fmt: skip
-    """The round's three stores (kvd, bare, files); their figures."""
-    gb = sz.nbytes / 1e9
+            pid: int, rnd: int) -> dict[str, float]:  # fmt: skip
+    """The round's stores: kvd's, then bare and files (their order turning)."""
+    os.sync()
     slots, seconds, cpu = _kvd_store(p, data, keys, pid)
-    disk = slab_slots(where, POOL, keys)
+    figures = {"store_gbps": sz.nbytes / 1e9 / seconds,
+               "daemon_cpu_s_per_gb_write": cpu / (sz.nbytes / 1e9)}  # fmt: skip
+    offsets = [slab_offset(slot, sz.row_bytes) for slot in slab_slots(where, POOL, keys)]
     whole, rows = _views(p.rows, slots, sz.row_bytes)
     try:
-        offsets = [slab_offset(slot, sz.row_bytes) for slot in disk]
-        bare = disk_io.bare_write(where / "bare.slab", offsets, rows, sz.qd)
-        files = disk_io.files_store(_files(where, keys), rows, sz.qd)
+        return figures | _rotated([lambda: _bare_writes(sz, offsets, rows, where),
+                                   lambda: _files_writes(sz, keys, rows, where)], rnd)  # fmt: skip
     finally:
         _release(whole, rows)
-    return {"store_gbps": gb / seconds, "daemon_cpu_s_per_gb_write": cpu / gb,
-            "bare_write_gbps": bare.gbps(sz.nbytes), "bare_cpu_s_per_gb_write": bare.cpu_s / gb,
-            "files_store_gbps": files.gbps(sz.nbytes),
-            "files_cpu_s_per_gb_write": files.cpu_s / gb}  # fmt: skip
+
+
+def _bare_writes(sz: Sizes, offsets: list[int], rows: list[memoryview],
+                 where: Path) -> dict[str, float]:  # fmt: skip
+    bare = disk_io.bare_write(where / "bare.slab", offsets, rows, sz.qd)
+    return _per_gb("bare_write", bare, sz, "bare_cpu_s_per_gb_write")
+
+
+def _files_writes(sz: Sizes, keys: list[bytes], rows: list[memoryview],
+                  where: Path) -> dict[str, float]:  # fmt: skip
+    files = disk_io.files_store(_files(where, keys), rows, sz.qd)
+    return _per_gb("files_store", files, sz, "files_cpu_s_per_gb_write")
 
 
 def _files(where: Path, keys: list[bytes]) -> list[Path]:
     return [disk_io.block_file(where / "files" / "bench", k) for k in keys]
 
 
-def _loads(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes], where: Path,
-           pid: int) -> dict[str, float]:  # fmt: skip
-    """The round's three reads (kvd, bare, files), after the reboot; their figures."""
-    gb = sz.nbytes / 1e9
+def _kvd_reads(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes],
+               pid: int) -> dict[str, float]:  # fmt: skip
     seconds, cpu = _kvd_fetch(p, keys, pid)
     checked, equal = _verify(p, data, keys)
+    return {"fetch_gbps": sz.nbytes / 1e9 / seconds,
+            "daemon_cpu_s_per_gb_read": cpu / (sz.nbytes / 1e9),
+            "blocks_checked": checked, "blocks_verified": equal}  # fmt: skip
+
+
+def _bare_reads(sz: Sizes, keys: list[bytes], where: Path) -> dict[str, float]:
     offsets = [slab_offset(slot, sz.row_bytes) for slot in slab_slots(where, POOL, keys)]
     bare = disk_io.bare_read(slab_file(where, POOL), offsets, round_up(sz.row_bytes), sz.qd)
+    return _per_gb("bare_read", bare, sz, "bare_cpu_s_per_gb_read")
+
+
+def _files_reads(sz: Sizes, keys: list[bytes], where: Path) -> dict[str, float]:
     paths = _files(where, keys)
     dest = disk_io.aligned_buffer(sz.nbytes)
     whole, places = _views(dest, list(range(sz.n)), sz.row_bytes)
@@ -265,10 +300,15 @@ def _loads(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes], where: Pat
     finally:
         _release(whole, places)
         dest.close()
-    return {"fetch_gbps": gb / seconds, "daemon_cpu_s_per_gb_read": cpu / gb,
-            "bare_read_gbps": bare.gbps(sz.nbytes), "bare_cpu_s_per_gb_read": bare.cpu_s / gb,
-            "files_load_gbps": files.gbps(sz.nbytes), "files_cpu_s_per_gb_read": files.cpu_s / gb,
-            "blocks_checked": checked, "blocks_verified": equal}  # fmt: skip
+    return _per_gb("files_load", files, sz, "files_cpu_s_per_gb_read")
+
+
+def _loads(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes], where: Path,
+           pid: int, rnd: int) -> dict[str, float]:  # fmt: skip
+    """The round's three reads after the reboot (their order turning); their figures."""
+    return _rotated([lambda: _kvd_reads(p, sz, data, keys, pid),
+                     lambda: _bare_reads(sz, keys, where),
+                     lambda: _files_reads(sz, keys, where)], rnd)  # fmt: skip
 
 
 def _warm_store(p: Attached, data: RowBytes, keys: list[bytes]) -> None:
@@ -284,13 +324,13 @@ def _round(daemon: DaemonProcess, sz: Sizes, data: RowBytes, where: Path,
     keys, warm = _keys(sz.row_bytes, rnd, sz.n), _keys(sz.row_bytes, f"warm{rnd}", WARM_BLOCKS)
     with _attached(daemon, sz.layout, sz.capacity) as p:
         _warm_store(p, data, warm)
-        figures = _stores(p, sz, data, keys, where, daemon_pid(daemon))
+        figures = _stores(p, sz, data, keys, where, daemon_pid(daemon), rnd)
     restart(daemon, reboot=True)
     try:
         with _attached(daemon, sz.layout, sz.capacity) as p:
             _fetched(p.s, warm, timeout_s=120)
             c0 = p.s.stats().counters
-            figures |= _loads(p, sz, data, keys, where, daemon_pid(daemon))
+            figures |= _loads(p, sz, data, keys, where, daemon_pid(daemon), rnd)
             c1 = p.s.stats().counters
     finally:
         shutil.rmtree(where / "files", ignore_errors=True)
