@@ -7,7 +7,7 @@ here), and one pool whose RAM holds four times a round's blocks (nothing is
 evicted while a round is stored, and one lookup fetches the whole round: a
 fetch takes at most a quarter of the pool) over a slab of twice a round's.
 Each of `--rounds` rounds stores `--mib` MiB of new blocks and reads them
-back, each step by kvd, then bare, then a file per block:
+back, by kvd, bare and a file per block, one after the other:
 
 - kvd store: the blocks are prepared and their rows written through this
   process's mapping of the pool (as a worker's copy would), then completed
@@ -28,7 +28,12 @@ back, each step by kvd, then bare, then a file per block:
 - files load: each block's file read into its place in a buffer, the files'
   pages dropped from the cache first (`O_DIRECT` bypasses it anyway).
 
-Before the timed steps each round stores (and after the reboot fetches)
+The order turns from round to round (kvd's store first, as the baselines
+write its rows, then bare and files in turn; after the reboot kvd, bare and
+files in turn), and each timed step starts after `os.sync()`: here the
+disk is virtual, and a write step's figure depended on whether the one
+before it was still draining from the host's cache (the guest's flush
+reaches the host). Before the timed steps each round stores (and after the reboot fetches)
 WARM_BLOCKS blocks of its own: the daemon populates its mapping of a pool on
 first use (0.2 s per GiB) and each I/O thread's buffer faults in on its
 first row; a daemon in service has done both. Figures are medians over the
