@@ -259,8 +259,9 @@ class Attached(_Msg, frozen=True):
     slot_stride: int
     ready_table: str = ""  # the pool's ready table (SPEC section 15); "" when none
     data_offset: int = 0  # where the rows start in the segment (SPEC section 13)
-    # The daemon has a remote tier (SPEC 14): a lookup the ready table answers
-    # short of all its keys asks the daemon, which may fetch the rest.
+    # The pool has a tier below RAM, disk or remote (SPEC 14, 16): a lookup the
+    # ready table answers short of all its keys asks the daemon, which may read
+    # the rest.
     remote: bool = False
 
 

@@ -11,6 +11,7 @@ fewer rows, never other ones), and keeps the tier's gauges.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import Counter
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 from kvd.config import Config
 from kvd.control.disk_reads import DiskReads
 from kvd.control.disk_writes import DiskWrites
-from kvd.io.disk_threads import DiskThreads
+from kvd.io.disk_threads import DiskThreads, Staging
 
 if TYPE_CHECKING:
     from kvd.control.pools import Pool, PoolRegistry
@@ -60,12 +61,19 @@ class DiskTier:
         self.write.write(pool, keys)
 
     def begin_reset(self, pool: Pool) -> None:
+        """The pool's reads and writes let go of its RAM slots now (so the reset
+        can finish whatever the disk does); its entries stop saying READY."""
         if pool.disk is not None:
             self.read.give_up_pool(pool.name)
+            self.write.give_up_pool(pool.name)
             pool.disk.begin_reset()
 
     def tick(self, now: float) -> None:
         self.read.expire(now)
+        self.write.expire(now)
+        for pool in self.pools:  # a new pool's rows are mapped off the loop, ahead of use
+            if pool.disk is not None and (pool.name, pool.generation) not in self._rows:
+                self.threads.submit(functools.partial(_map, self._rows_of(pool)), read=False)
         for name, generation in list(self._rows):  # a dropped pool's pages go with its map
             live = self.pools.find(name)
             if live is None or live.generation != generation:
@@ -84,6 +92,7 @@ class DiskTier:
         c["disk.capacity_bytes"] = sum(part.slab.num_blocks * part.slab.disk_row_bytes
                                        for part in parts)  # fmt: skip
         c["disk.write_bytes_in_flight"] = self.write.in_flight
+        c["disk.read_bytes_in_flight"] = self.read.in_flight
         c["disk.slabs_failed"] = self.pools.disk.failed if self.pools.disk else 0
 
     def _sync(self, slabs: list) -> None:  # type: ignore[type-arg]
@@ -106,3 +115,10 @@ class DiskTier:
     def close(self) -> None:
         self.read.stop()
         self.threads.close(2.0)
+
+
+def _map(rows: Rows, _staging: Staging) -> None:
+    try:
+        rows.view()
+    except Exception as exc:  # the pool was dropped first: nothing to map
+        log.debug("event=disk_map_skipped shm=%s reason=%r", rows.name, exc)

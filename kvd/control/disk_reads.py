@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.control.disk_reads")
 MAX_FETCH_BYTES = 1 << 30  # one lookup's fetch, at most
+MAX_READ_BYTES = 2 << 30  # all fetches in flight together: past it, a lookup gets its hits
 READER_ACCOUNT = "disk-reader"
 
 
@@ -95,6 +96,7 @@ class DiskReads:
         self.timeout_s = config.disk_timeout_ms / 1000
         self._ids = itertools.count(1)
         self._fetches: dict[int, Fetch] = {}
+        self.in_flight = 0  # bytes of the fetches whose rows threads still read
         # (pool, key) -> the fetch given up by its timeout whose rows are still
         # being read: lookups stopping at the key answer their hits meanwhile.
         self._stalled: dict[tuple[str, bytes], int] = {}
@@ -113,8 +115,14 @@ class DiskReads:
         limit = max(1, min(MAX_FETCH_BYTES // row, pool.geometry.num_blocks // 4))
         wanted = list(keys[hits : hits + limit])
         found = part.index.lookup(wanted)
-        if not found:  # absent, or being written (then RAM holds it: not a miss here)
+        if found is None:  # the run reaches a block being written: what is ready before it
+            is_ready = part.index.is_ready
+            found = next((i for i, k in enumerate(wanted) if not is_ready(k)), len(wanted))
+        if not found:
             self.counters["disk.misses"] += 1
+            return hits
+        if self.in_flight + found * row > MAX_READ_BYTES:
+            self.counters["disk.reads_refused"] += 1
             return hits
         pool.index.touch(keys[:hits])  # the lookup's own hits are the last to go for room
         owner = ("disk-fetch", next(self._ids))
@@ -139,6 +147,7 @@ class DiskReads:
                       crcs, now + self.timeout_s, self._rows_of(pool), part)  # fmt: skip
         fetch.ok = [False] * len(got)
         fetch.left = len(got)
+        self.in_flight += len(got) * row
         self._fetches[fetch.fetch_id] = fetch
         self.counters["disk.fetches"] += 1
         self.threads.submit_many(
@@ -162,10 +171,11 @@ class DiskReads:
                              fetch.disk_slots[i], got)  # fmt: skip
                 else:
                     key = fetch.keys[i]
+                    rows = fetch.rows.view()  # not under the lock: the first maps the pool
                     with fetch.lock:
                         if fetch.stood:
                             at = fetch.slots[i] * row
-                            dst = fetch.rows.view()[at : at + row]
+                            dst = rows[at : at + row]
                             crc = copy_crc(dst, buf[:row], crc32c(key))
                             if crc == fetch.crcs[i]:
                                 fetch.ok[i] = True
@@ -197,6 +207,7 @@ class DiskReads:
         for key in fetch.keys:
             if stalled.get((fetch.pool, key)) == fetch.fetch_id:
                 del stalled[(fetch.pool, key)]
+        self.in_flight -= len(fetch.keys) * fetch.part.slab.row_bytes
         self.counters["disk.bad_rows"] += fetch.bad
         self.counters["disk.errors"] += fetch.errors
         self.counters["disk.bytes_read"] += fetch.nbytes

@@ -19,13 +19,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
 from kvd.config import Config
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
-from kvd.io.disk_slab import ALIGN, Slab, SlabError, open_slab, round_up, slab_path
+from kvd.io.disk_slab import ALIGN, Slab, open_slab, round_up, slab_path
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Layout
 from kvd_client.segment import SegmentHeader
@@ -78,8 +79,11 @@ class DiskSlabs:
         self.adopt = adopt  # a warm start takes slabs back; a cold one empties them
         self.total = config.disk_bytes or _half_free(config.disk_dir)
         self._lock = threading.Lock()
-        self._sizes: dict[str, int] = {}  # pool -> its slab's bytes
+        self._sizes: dict[str, int] = {}  # pool -> its slab's bytes (reserved while made)
         self.failed = 0  # slabs that could not be made
+        if not self.total:
+            log.error("event=disk_tier_off dir=%s reason=no room on its filesystem",
+                      config.disk_dir)  # fmt: skip
 
     def share(self, pool: str, capacity_bytes: int) -> int:
         for pc in self.config.pools:
@@ -90,12 +94,13 @@ class DiskSlabs:
         return rest * capacity_bytes // max(1, self.config.max_total_bytes)
 
     def open(self, name: str, layout: Layout, geometry: Geometry, policy: str) -> DiskPart | None:
-        """The pool's disk part, or None (no share, or its slab failed: logged)."""
+        """The pool's disk part, or None (no share, or its slab failed: logged).
+        Never raises."""
         row = round_up(geometry.row_bytes)
         with self._lock:
-            left = self.total - sum(v for k, v in self._sizes.items() if k != name)
+            left = max(0, self.total - sum(v for k, v in self._sizes.items() if k != name))
             wanted = min(self.share(name, geometry.num_blocks * geometry.row_bytes), left)
-            num_blocks = max(0, (wanted - 2 * ALIGN) // (row + 84))
+            num_blocks = _rows_in(wanted, row)
             if num_blocks < 1:
                 if wanted or self.total:
                     log.warning(
@@ -104,14 +109,19 @@ class DiskSlabs:
                         f"its share of disk_bytes ({wanted}) holds no row of {row}",
                     )
                 return None
-            self._sizes[name] = 0  # reserved below; a concurrent build sees it
+            self._sizes[name] = wanted  # reserved while it is made (a concurrent build)
         want = SegmentHeader(0, num_blocks, geometry.row_bytes, geometry.slot_bytes,
                              geometry.num_slots, geometry.slot_stride, geometry.replicated,
                              name, msgspec.msgpack.encode(layout), policy)  # fmt: skip
         start = time.monotonic()
+        slab = None
         try:
-            slab, refused = open_slab(self.config.disk_dir, want, adopt=self.adopt)
-        except (SlabError, OSError, ValueError) as exc:  # ValueError: KVD_DISK_FAULTS
+            slab, refused = open_slab(self.config.disk_dir, want, adopt=self.adopt,
+                                      max_blocks=_rows_in(left, row))  # fmt: skip
+            part = self._part(name, slab, refused, layout, policy, start)
+        except Exception as exc:  # SlabError (room, lock), OSError, a bad KVD_DISK_FAULTS
+            if slab is not None:
+                slab.close()
             with self._lock:
                 self._sizes.pop(name, None)
                 self.failed += 1
@@ -120,24 +130,29 @@ class DiskSlabs:
             return None
         with self._lock:
             self._sizes[name] = slab.size_bytes
+        return part
+
+    def _part(
+        self, name: str, slab: Slab, refused: str, layout: Layout, policy: str, start: float
+    ) -> DiskPart:
         if refused:
             log.warning("event=disk_slab_not_adopted pool=%s path=%s reason=%s", name,
                         slab.path, refused)  # fmt: skip
-        index = BlockIndex(num_blocks, policy, layout.block_tokens, medium=MEDIUM,
-                           locality=LOCALITY)  # fmt: skip
+        n = slab.num_blocks
+        index = BlockIndex(n, policy, layout.block_tokens, medium=MEDIUM, locality=LOCALITY)
         index.slot_sink = slab.table
-        part = DiskPart(name, slab, OwnedIndex(index, max(1, num_blocks // 2)))
+        part = DiskPart(name, slab, OwnedIndex(index, max(1, n // 2)))
         if not slab.created:
             slots, keys, bad, slot_of = slab.table.ready_map()
             if keys:
                 index.adopt(slots, keys, policy_later=True, slot_of=slot_of)
                 part.adopted = len(keys)
             log.info("event=disk_slab_adopted pool=%s path=%s blocks=%d entries_refused=%d "
-                     "rows=%d direct=%s seconds=%.3f", name, slab.path, len(keys), bad,
-                     num_blocks, slab.direct, time.monotonic() - start)  # fmt: skip
+                     "rows=%d direct=%s seconds=%.3f", name, slab.path, len(keys), bad, n,
+                     slab.direct, time.monotonic() - start)  # fmt: skip
         else:
             log.info("event=disk_slab_created pool=%s path=%s rows=%d disk_row_bytes=%d "
-                     "bytes=%d direct=%s", name, slab.path, num_blocks, slab.disk_row_bytes,
+                     "bytes=%d direct=%s", name, slab.path, n, slab.disk_row_bytes,
                      slab.size_bytes, slab.direct)  # fmt: skip
         return part
 
@@ -151,8 +166,22 @@ class DiskSlabs:
             return sum(self._sizes.values())
 
 
+def _rows_in(nbytes: int, disk_row_bytes: int) -> int:
+    """Rows a slab of `nbytes` holds: each row, its 80-byte entry and its 4-byte
+    checksum; the slab's header page and the entry table's header and rounding."""
+    return max(0, (nbytes - 4 * ALIGN) // (disk_row_bytes + 84))
+
+
 def _half_free(disk_dir: str) -> int:
-    """disk_bytes = 0: half the free space of disk_dir's filesystem, now."""
-    os.makedirs(disk_dir, exist_ok=True)
-    st = os.statvfs(disk_dir)
-    return st.f_bavail * st.f_frsize // 2
+    """disk_bytes = 0: half of what disk_dir's filesystem has free, counting the
+    slabs already there as free (so that the size is the same at every start);
+    0 (no disk tier) if the directory cannot be made or read."""
+    try:
+        os.makedirs(disk_dir, exist_ok=True)
+        st = os.statvfs(disk_dir)
+        ours = sum(p.stat().st_size for p in Path(disk_dir).iterdir()
+                   if p.suffix in (".slab", ".entries") and p.is_file())  # fmt: skip
+    except OSError as exc:
+        log.error("event=disk_dir_unusable dir=%s reason=%s", disk_dir, exc)
+        return 0
+    return (st.f_bavail * st.f_frsize + ours) // 2

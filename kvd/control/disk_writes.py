@@ -24,6 +24,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvd.control.disk_writes")
 WRITER_ACCOUNT = "disk-writer"
+WRITE_TIMEOUTS = 4  # a write holds its RAM rows at most this many disk_timeout_ms
 
 
 @dataclass(eq=False)
@@ -55,9 +57,12 @@ class Write:
     rows: Rows
     part: DiskPart
     lock: threading.Lock = field(default_factory=threading.Lock)
+    deadline: float = 0.0  # monotonic: past it the RAM rows are let go (a stalled disk)
     crcs: list[int | None] = field(default_factory=list)  # per key; None: not written
     left: int = 0
     errors: int = 0
+    # Under `lock`: False once the loop let the RAM rows go; a thread copies no more.
+    stood: bool = True
 
     @property
     def owner(self) -> tuple[str, int]:
@@ -84,6 +89,7 @@ class DiskWrites:
         self.in_flight = 0  # bytes
         self._ids = itertools.count(1)
         self.second = config.disk_admit == "second"
+        self._writes: dict[int, Write] = {}  # whose RAM rows are still pinned
 
     def write(self, pool: Pool, keys: list[bytes]) -> None:
         part = pool.disk
@@ -130,6 +136,8 @@ class DiskWrites:
                       disk_slots, len(keys) * row_bytes, self._rows_of(pool), part)  # fmt: skip
         write.crcs = [None] * len(keys)
         write.left = len(keys)
+        write.deadline = time.monotonic() + WRITE_TIMEOUTS * self.config.disk_timeout_ms / 1000
+        self._writes[write.write_id] = write
         self.in_flight += write.nbytes
         self.counters["disk.write_bytes_peak"] = max(
             self.counters["disk.write_bytes_peak"], self.in_flight
@@ -160,13 +168,18 @@ class DiskWrites:
         row = slab.row_bytes
         crc = None
         error = 0
-        if slab.enter():
+        if write.stood and slab.enter():
             try:
                 buf = staging.get(slab.disk_row_bytes)
+                rows = write.rows.view()  # not under the lock: the first maps the pool
                 at = write.slots[i] * row
-                crc = copy_crc(buf[:row], write.rows.view()[at : at + row], crc32c(write.keys[i]))
-                if slab.write_row(write.disk_slots[i], buf) < slab.disk_row_bytes:
-                    raise OSError("short write")
+                with write.lock:  # the RAM row is pinned while the write stands
+                    if write.stood:
+                        crc = copy_crc(buf[:row], rows[at : at + row], crc32c(write.keys[i]))
+                if crc is not None:
+                    buf[row:] = bytes(len(buf) - row)  # the padding: no other row's bytes
+                    if slab.write_row(write.disk_slots[i], buf) < slab.disk_row_bytes:
+                        raise OSError("short write")
             except Exception as exc:  # OSError; ValueError: the pool's map went; a bug
                 crc, error = None, 1
                 log.info("event=disk_write_failed pool=%s slot=%d reason=%r", write.pool,
@@ -186,9 +199,8 @@ class DiskWrites:
     def _written(self, write: Write) -> None:
         self.in_flight -= write.nbytes
         self.counters["disk.errors"] += write.errors
+        self._release(write)
         pool = self.pools.find(write.pool)
-        if pool is not None and pool.generation == write.generation:
-            pool.owned.complete_load(write.owner, write.keys)  # the RAM rows may go now
         part = write.part
         if pool is None or pool.disk is not part or part.epoch != write.epoch:
             return  # reset or dropped meanwhile: the rows' entries are gone already
@@ -205,3 +217,30 @@ class DiskWrites:
         self.counters["disk.blocks_written"] += len(done)
         self.counters["disk.bytes_written"] += len(done) * part.slab.disk_row_bytes
         self.counters["disk.writes_failed"] += len(failed)
+
+    def _release(self, write: Write) -> None:
+        """Unpins the write's RAM rows (once): after this no thread copies them."""
+        if self._writes.pop(write.write_id, None) is None:
+            return
+        with write.lock:
+            write.stood = False
+        pool = self.pools.find(write.pool)
+        if pool is not None and pool.generation == write.generation:
+            pool.owned.complete_load(write.owner, write.keys)
+
+    def expire(self, now: float) -> None:
+        """Lets go of the RAM rows of writes stuck past their deadline (a stalled
+        disk): the pool may evict them, and a reset can finish. The rows copied
+        before are still made ready on disk once written."""
+        for write in list(self._writes.values()):
+            if now >= write.deadline:
+                self.counters["disk.write_timeouts"] += 1
+                log.info("event=disk_write_timeout pool=%s blocks=%d", write.pool,
+                         len(write.keys))  # fmt: skip
+                self._release(write)
+
+    def give_up_pool(self, name: str) -> None:
+        """A reset: the pool's writes let go of their RAM rows now."""
+        for write in list(self._writes.values()):
+            if write.pool == name:
+                self._release(write)

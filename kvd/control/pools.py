@@ -210,7 +210,7 @@ class PoolRegistry:
         pool = Pool(
             name, layout, geometry, generation, region, OwnedIndex(index, pin_cap), policy, table
         )
-        if self.config.remote_url or self.config.disk_dir:  # tiers below: they see what is ready
+        if self.config.remote_url or disk is not None:  # tiers below: they see what is ready
             pool.tap = ReadyTap(region.table)
             index.slot_sink = pool.tap
             pool.fingerprint = layout_fingerprint(layout, geometry)
@@ -350,6 +350,12 @@ class PoolRegistry:
                 else:
                     unlink_segment(shm, self._manifest)
         return adopted
+
+    def slab_started_empty(self, name: str) -> bool:
+        """Whether the pool's slab was made empty at this start (not adopted): an
+        earlier run's blocks on disk are gone, which event consumers must hear."""
+        pool = self._pools.get(name)
+        return pool is not None and pool.disk is not None and pool.disk.slab.created
 
     def drop(self, name: str, *, disk: bool = False) -> Pool:
         """Drops the pool and its segment; its slab is deleted with `disk` (an

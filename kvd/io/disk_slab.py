@@ -20,8 +20,8 @@ tier and adopted by every later start whose checks pass:
 Both files are given their whole size when made (`posix_fallocate`), so a
 full filesystem shows then (`SlabError`), never mid-write. The slab is
 locked (`flock`, exclusive) while open: two daemons never share one. Rows
-move with `O_DIRECT` where the filesystem takes it (and rows are a multiple
-of ALIGN), else buffered, dropped from the page cache after each write.
+move whole (`disk_row_bytes` from or into an aligned staging buffer) with
+`O_DIRECT` where the filesystem takes it, else buffered.
 
 A row is written before its checksum and its entry; the entry's state byte
 is STORING from the moment its slot is handed to a write (the slot table's
@@ -48,7 +48,14 @@ from pathlib import Path
 
 from kvd.io.disk_faults import Faults
 from kvd.io.slot_table import SlotTable
-from kvd_client.segment import HEADER, PAGE, BadSegment, SegmentHeader, read_header
+from kvd_client.segment import (
+    HEADER,
+    MAX_HEADER_BYTES,
+    PAGE,
+    BadSegment,
+    SegmentHeader,
+    read_header,
+)
 
 log = logging.getLogger("kvd.io.disk_slab")
 
@@ -122,20 +129,24 @@ def _open_direct(path: Path) -> tuple[int, bool]:
 
 class Slab:
     """One pool's slab and entry table, open and locked. `table` is the disk
-    index's slot sink; `crcs` the rows' checksums (u32 per slot)."""
+    index's slot sink; `crcs` the rows' checksums (u32 per slot). Every row
+    moves whole (`disk_row_bytes`, at an aligned offset, from or into an
+    aligned staging buffer), so O_DIRECT serves any row size."""
 
     def __init__(
         self,
         path: Path,
         fd: int,
         direct: bool,
+        efd: int,
         table: SlotTable,
         crc_map: mmap.mmap,
         header: SegmentHeader,
         faults: Faults,
     ) -> None:
         self.path = path
-        self.fd = fd
+        self.fd = fd  # the slab, locked (flock) for as long as it is open
+        self.efd = efd  # the entry table, for fsync (its pages are mapped)
         self.header = header
         self.table = table
         self._crc_map = crc_map
@@ -143,11 +154,7 @@ class Slab:
         self.row_bytes = header.row_bytes
         self.disk_row_bytes = round_up(header.row_bytes)
         self.num_blocks = header.num_blocks
-        # O_DIRECT only where every transfer can be aligned.
-        self.direct = direct and self.row_bytes % ALIGN == 0
-        if direct and not self.direct:
-            os.close(fd)
-            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self.direct = direct
         self.faults = faults
         self.created = False  # made now, not adopted
         self.closed = False  # no new I/O; the files close once the last one ends
@@ -163,7 +170,7 @@ class Slab:
 
     def read_row(self, slot: int, buf: memoryview) -> int:
         """Reads row `slot` into `buf` (disk_row_bytes, aligned); the bytes read.
-        Raises OSError (EIO...). Runs on an I/O thread."""
+        Raises OSError (EIO...). Runs on an I/O thread, between `enter` and `leave`."""
         f = self.faults
         if f.read_slow_s:
             time.sleep(f.read_slow_s)
@@ -176,28 +183,26 @@ class Slab:
         """Writes `buf` (disk_row_bytes, aligned) as row `slot`; the bytes written."""
         if self.faults.write_eio:
             raise OSError(errno.EIO, "injected write error (KVD_DISK_FAULTS)")
-        at = self.offset(slot)
-        n = os.pwritev(self.fd, [buf[: self.disk_row_bytes]], at)
-        if not self.direct:
-            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
-        return n
+        return os.pwritev(self.fd, [buf[: self.disk_row_bytes]], self.offset(slot))
 
     def sync(self) -> None:
-        """The entries and checksums to disk (the rows go with O_DIRECT, or their
-        write-back): after a power loss the table names fewer rows, never others."""
-        if self.closed:
+        """The entry table and checksums (and buffered rows) to the device, with
+        fsync, which waits without the GIL: on a thread of its own, never the
+        loop. After a power loss the table names fewer rows, never others."""
+        if not self.enter():
             return
         try:
             if not self.direct:
                 os.fdatasync(self.fd)
-            self._crc_map.flush()
-            self.table.flush()
-        except (OSError, ValueError) as exc:  # closed meanwhile, or the disk failed
-            log.debug("event=disk_sync_failed path=%s reason=%r", self.path, exc)
+            os.fsync(self.efd)  # also the pages written through the table's mapping
+        except OSError as exc:  # the disk failed: counted by the reads that follow
+            log.warning("event=disk_sync_failed path=%s reason=%s", self.path, exc)
+        finally:
+            self.leave()
 
     def enter(self) -> bool:
-        """Before a thread's row I/O: False once the slab is closing (skip the row).
-        The descriptor stays open until `leave`, so no I/O reaches a reused one."""
+        """Before a thread's I/O: False once the slab is closing (skip the row).
+        The descriptors stay open until `leave`, so no I/O reaches a reused one."""
         with self._lock:
             if self.closed:
                 return False
@@ -209,22 +214,26 @@ class Slab:
             self._users -= 1
             last = self.closed and self._users == 0
         if last:
-            os.close(self.fd)
+            self._close_files()
 
     def close(self) -> None:
-        """Syncs and unmaps the table; the slab's descriptor (and its lock) goes
-        now, or when the last thread still reading or writing it leaves."""
+        """Unmaps the table (on the loop, which alone writes it); the descriptors
+        (and the lock) go now, or when the last thread using them leaves. Nothing
+        here waits on the disk: what the table holds reaches it by write-back."""
         with self._lock:
             if self.closed:
                 return
-            self.sync()
             self.closed = True
             idle = self._users == 0
         self.crcs.release()
         self._crc_map.close()
         self.table.close()
         if idle:
-            os.close(self.fd)  # the lock goes with the last descriptor
+            self._close_files()
+
+    def _close_files(self) -> None:
+        os.close(self.efd)
+        os.close(self.fd)  # the lock goes with the last descriptor
 
     def remove(self) -> None:
         """Closes and deletes both files (the pool was dropped)."""
@@ -242,18 +251,23 @@ def open_slab(
     entries_header: SegmentHeader,
     *,
     adopt: bool,
+    max_blocks: int | None = None,
 ) -> tuple[Slab, str]:
-    """The pool's slab: the existing one when `adopt` and every check passes, else
-    a new empty one (the reason it was not adopted is returned, "" if adopted or
-    none was there). `entries_header` is what the pool's entry table must say,
-    but for its generation (the slab's id). Raises SlabError (no room, locked)."""
+    """The pool's slab: the existing one when `adopt` and every check passes (of
+    any size up to `max_blocks` rows: a share that changed since keeps it),
+    else a new empty one of `entries_header.num_blocks` rows (the reason the old
+    one was not adopted is returned, "" if adopted or none was there).
+    `entries_header` is what the pool's entry table must say, but for its
+    generation (the slab's id) and size (`max_blocks` None: at most its size).
+    Raises SlabError (no room, locked)."""
     pool = entries_header.name
     path = slab_path(disk_dir, pool)
     faults = Faults.from_env()
     reason = ""
     if adopt and path.exists():
         try:
-            return _adopt(path, entries_header, faults), ""
+            limit = entries_header.num_blocks if max_blocks is None else max_blocks
+            return _adopt(path, entries_header, faults, limit), ""
         except BadSegment as exc:
             reason = str(exc)
         except FileNotFoundError:
@@ -271,50 +285,46 @@ def _lock(fd: int, path: Path) -> None:
         raise SlabError(errno.EBUSY, f"{path} is in use by another kvd daemon") from None
 
 
-def _adopt(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
+def _adopt(path: Path, want: SegmentHeader, faults: Faults, max_blocks: int) -> Slab:
     fd, direct = _open_direct(path)
+    _lock(fd, path)
+    efd = -1
     try:
-        _lock(fd, path)
-    except SlabError:
-        raise
-    try:
-        raw = os.pread(fd, ALIGN, 0) if not direct else _pread_aligned(fd, ALIGN, 0)
-        slab_id, n, row, _, print_ = _check_slab_header(raw)
-        if (n, row) != (want.num_blocks, want.row_bytes):
-            raise BadSegment(f"slab holds {n} rows of {row} bytes, the pool wants "
-                             f"{want.num_blocks} of {want.row_bytes}")  # fmt: skip
+        slab_id, n, row, _, print_ = _check_slab_header(_pread_aligned(fd, ALIGN, 0))
+        if row != want.row_bytes:
+            raise BadSegment(f"slab holds rows of {row} bytes, the pool's are {want.row_bytes}")
         if print_ != hashlib.sha256(want.layout).digest():
             raise BadSegment("slab was made for another layout")
+        if n > max_blocks:
+            raise BadSegment(f"slab holds {n} rows, more than the {max_blocks} its share leaves")
         size = os.fstat(fd).st_size
         if size < ALIGN + n * round_up(row):
             raise BadSegment(
                 f"slab truncated: {size} bytes, its rows need {ALIGN + n * round_up(row)}"
             )
-        epath = path.with_suffix(".entries")
-        efd = os.open(epath, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            header = _read_entries_header(efd)
-            if header.generation != slab_id:
-                raise BadSegment("entry table belongs to another slab")
-            if (header.num_blocks, header.row_bytes, header.layout) != (
-                want.num_blocks, want.row_bytes, want.layout,
-            ):  # fmt: skip
-                raise BadSegment("entry table disagrees with the pool's layout")
-            if os.fstat(efd).st_size != _entries_size(header):
-                raise BadSegment("entry table truncated")
-            table = SlotTable(efd, header, fresh=False)
-            crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
-                                offset=header.data_offset)  # fmt: skip
-        finally:
-            os.close(efd)
+        efd = os.open(path.with_suffix(".entries"), os.O_RDWR | os.O_CLOEXEC)
+        header = _read_entries_header(efd)
+        if header.generation != slab_id:
+            raise BadSegment("entry table belongs to another slab")
+        if (header.name, header.num_blocks, header.row_bytes, header.layout) != (
+            want.name, n, row, want.layout,
+        ):  # fmt: skip
+            raise BadSegment("entry table disagrees with its slab or the pool's layout")
+        if os.fstat(efd).st_size != _entries_size(header):
+            raise BadSegment("entry table truncated")
+        table = SlotTable(efd, header, fresh=False)
+        crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
+                            offset=header.data_offset)  # fmt: skip
     except BaseException:
+        if efd >= 0:
+            os.close(efd)
         os.close(fd)
         raise
-    return Slab(path, fd, direct, table, crc_map, header, faults)
+    return Slab(path, fd, direct, efd, table, crc_map, header, faults)
 
 
 def _pread_aligned(fd: int, size: int, offset: int) -> bytes:
-    buf = mmap.mmap(-1, size)
+    buf = mmap.mmap(-1, size)  # page aligned: an O_DIRECT descriptor takes it
     try:
         n = os.preadv(fd, [buf], offset)
         return bytes(buf[:n])
@@ -325,7 +335,7 @@ def _pread_aligned(fd: int, size: int, offset: int) -> bytes:
 def _read_entries_header(fd: int) -> SegmentHeader:
     """The entry table's header (a segment header whose size check counts the
     table only); BadSegment when it does not hold."""
-    first = os.pread(fd, PAGE, 0)
+    first = os.pread(fd, MAX_HEADER_BYTES, 0)
     if len(first) < HEADER.size:
         raise BadSegment("entry table shorter than its header")
     fields = HEADER.unpack(first[: HEADER.size])
@@ -346,19 +356,18 @@ def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
     # Outside the try: a daemon that took the lock since is refused, its files
     # stay, and `_lock` closed the descriptor already.
     _lock(fd, path)
+    epath = path.with_suffix(".entries")
+    efd = -1
+    table: SlotTable | None = None
+    crc_map: mmap.mmap | None = None
     try:
         os.ftruncate(fd, 0)  # whatever was there goes, its rows with it
-        size = ALIGN + header.num_blocks * round_up(header.row_bytes)
-        _reserve(fd, size, path)
-        epath = path.with_suffix(".entries")
+        _reserve(fd, ALIGN + header.num_blocks * round_up(header.row_bytes), path)
         efd = os.open(epath, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            _reserve(efd, _entries_size(header), epath)
-            table = SlotTable(efd, header, fresh=True)
-            crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
-                                offset=header.data_offset)  # fmt: skip
-        finally:
-            os.close(efd)
+        _reserve(efd, _entries_size(header), epath)
+        table = SlotTable(efd, header, fresh=True)
+        crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
+                            offset=header.data_offset)  # fmt: skip
         print_ = hashlib.sha256(header.layout).digest()
         page = mmap.mmap(-1, ALIGN)
         try:
@@ -368,11 +377,17 @@ def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
         finally:
             page.close()
         os.fsync(fd)
-        slab = Slab(path, fd, direct, table, crc_map, header, faults)
+        slab = Slab(path, fd, direct, efd, table, crc_map, header, faults)
         slab.created = True
     except BaseException:
-        os.close(fd)
-        for made in (path, path.with_suffix(".entries")):  # nothing half-made stays
+        for made in (path, epath):  # nothing half-made stays (under the lock still)
             made.unlink(missing_ok=True)
+        if crc_map is not None:
+            crc_map.close()
+        if table is not None:
+            table.close()
+        if efd >= 0:
+            os.close(efd)
+        os.close(fd)
         raise
     return slab

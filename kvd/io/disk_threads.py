@@ -20,6 +20,7 @@ import importlib
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,7 +83,6 @@ class DiskThreads:
         self._writes: collections.deque[Task] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
-        self.busy = 0  # tasks running now
         self._threads = [
             threading.Thread(target=self._run, name=f"kvd-disk-{i}", daemon=True)
             for i in range(count)
@@ -115,14 +115,10 @@ class DiskThreads:
                     if self._stopping:
                         return
                     task = reads.popleft() if reads else writes.popleft()
-                    self.busy += 1
                 try:
                     task(staging)
                 except Exception:  # a bug in a task: the thread must live on
                     log.exception("event=disk_task_failed")
-                finally:
-                    with cond:
-                        self.busy -= 1
         finally:
             staging.close()
 
@@ -134,5 +130,6 @@ class DiskThreads:
             self._reads.clear()
             self._writes.clear()
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s  # one bound for all of them
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -135,8 +135,8 @@ class Server:
         # (a cold start after a warm run or a crash): an indexer forgets its blocks.
         gone = Manifest.pool_names(stale)
         for name in dict.fromkeys([*refused, *gone, *(p.name for p in self.pools)]):
-            if name and name not in adopted:
-                self.publisher.all_cleared(name)
+            if name and (name not in adopted or self.pools.slab_started_empty(name)):
+                self.publisher.all_cleared(name)  # then its adopted blocks, announced again
         self.publisher.flush(time.time())
         self._publish()
         if cfg.metrics_addr:

@@ -204,10 +204,15 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], dict[str, object], str]] = {
         {"layout": Layout("another-model", "bfloat16", 16, 1, False, 8192)},
         "made for another layout",
     ),
-    "geometry asked": (
+    "more rows than the share": (
         lambda w: None,
-        {"blocks": 2 * BLOCKS},
-        f"slab holds {BLOCKS} rows of 8192 bytes, the pool wants {2 * BLOCKS} of 8192",
+        {"blocks": BLOCKS // 2},
+        f"slab holds {BLOCKS} rows, more than the {BLOCKS // 2} its share leaves",
+    ),
+    "another row size": (
+        lambda w: None,
+        {"layout": Layout("m", "bfloat16", 16, 1, False, 4096)},
+        "slab holds rows of 8192 bytes, the pool's are 4096",
     ),
     "geometry in the header": (
         lambda w: _rewrite_slab_header(w / "p.slab", 48, "<Q", 2 * ALIGN),  # rows_offset
@@ -241,6 +246,30 @@ def test_a_slab_that_fails_a_check_is_made_again_empty_with_the_reason(
     again, reason = reopen(where, opened, **asked)
     assert not again.created and reason == ""
     assert again.header.generation == slab.header.generation
+
+
+def test_a_slab_smaller_than_the_share_is_kept_at_its_size(
+    where: Path, opened: list[Slab]
+) -> None:
+    """The share grew (more RAM, more disk_bytes, disk_bytes = 0 on a filesystem
+    that filled): the slab is adopted as it is, its rows with it."""
+    old = made(where)
+    slab, reason = reopen(where, opened, blocks=2 * BLOCKS)
+    assert reason == "" and not slab.created
+    assert slab.num_blocks == BLOCKS and slab.header.generation == old.header.generation
+    assert slab.table.ready_map()[1] == [b"k3"]
+
+
+def test_rows_of_any_size_move_whole_with_o_direct(where: Path, opened: list[Slab]) -> None:
+    """A row that is not a multiple of 4 KiB (an MLA row, say): the slab keeps
+    O_DIRECT (whole padded rows from aligned buffers) and its lock."""
+    layout = Layout("mla", "bfloat16", 16, 1, True, 6000)
+    slab, _ = reopen(where, opened, layout=layout)
+    assert slab.direct and slab.row_bytes % 4096 and slab.disk_row_bytes == 8192
+    data = put(slab, 2, b"k2", seed=2)
+    assert get(slab, 2) == data
+    with pytest.raises(SlabError):
+        open_slab(str(where), wanted(layout=layout), adopt=True)
 
 
 # -- flock -----------------------------------------------------------------------------
