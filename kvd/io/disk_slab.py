@@ -181,7 +181,10 @@ class Slab:
 
     def write_row(self, slot: int, buf: memoryview) -> int:
         """Writes `buf` (disk_row_bytes, aligned) as row `slot`; the bytes written."""
-        if self.faults.write_eio:
+        f = self.faults
+        if f.write_slow_s:
+            time.sleep(f.write_slow_s)
+        if f.write_eio:
             raise OSError(errno.EIO, "injected write error (KVD_DISK_FAULTS)")
         return os.pwritev(self.fd, [buf[: self.disk_row_bytes]], self.offset(slot))
 
