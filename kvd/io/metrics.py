@@ -121,6 +121,12 @@ _DISK_COUNTERS = (
     ("kvd_disk_writes_failed", "Blocks whose write failed.", "disk.writes_failed"),
     ("kvd_disk_errors", "Row reads and writes that failed (EIO, ...).", "disk.errors"),
     ("kvd_disk_no_room", "Disk reads not started: no RAM room for them.", "disk.no_room"),
+    ("kvd_disk_reads_refused", "Disk reads not started: 2 GiB already being read.",
+     "disk.reads_refused"),
+    ("kvd_disk_stalled_skips", "Lookups that skipped the disk: a read of the key still stuck.",
+     "disk.stalled_skips"),
+    ("kvd_disk_write_timeouts", "Writes that let go of their RAM rows after 4 disk timeouts.",
+     "disk.write_timeouts"),
 )  # fmt: skip
 _DISK_GAUGES = (
     ("kvd_disk_used_bytes", "Bytes of rows the disk tier holds.", "disk.bytes_used"),
@@ -128,6 +134,8 @@ _DISK_GAUGES = (
     ("kvd_disk_blocks", "Blocks the disk tier holds.", "disk.blocks"),
     ("kvd_disk_write_bytes_in_flight", "Bytes the disk write-behind holds pinned now.",
      "disk.write_bytes_in_flight"),
+    ("kvd_disk_read_bytes_in_flight", "Bytes of disk reads under way.",
+     "disk.read_bytes_in_flight"),
     ("kvd_disk_slabs_failed", "Pools left without a disk tier: their slab could not be made.",
      "disk.slabs_failed"),
 )  # fmt: skip
