@@ -11,8 +11,9 @@
 #
 #     run(command="bash tests/gpu/on_device.sh", carry=[".whl"], timeout_s=420)
 #
-# kvd and kvd_client run from the tree (PYTHONPATH); the CUDA backend needs no
-# compiled part of kvd_client. Exit status: non-zero if either step failed.
+# kvd, kvd_client and kvd_tools (`kvd bench`) run from the tree (PYTHONPATH);
+# the CUDA backend needs no compiled part of kvd_client. Exit status: non-zero
+# if either step failed.
 #
 # tests/gpu holds the vLLM plug-in's copies too (test_vllm_copies_cuda.py:
 # `kvd_client.vllm.copies`, which imports no vLLM, on tensors shaped as vLLM's
@@ -29,7 +30,7 @@ site=${KVD_SITE:-/tmp/kvd-site}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" "$wheels"/*.whl || { echo "on_device: could not install $wheels"; exit 2; }
-export PYTHONPATH="$PWD:$PWD/client:$site" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:$PWD/client:$PWD/tools:$site" PYTHONUNBUFFERED=1
 { nvidia-smi -L 2>&1; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"; } | tee "$out/device.txt"
 # Skipped CUDA tests must not pass for a run: no device is a failure here.
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" \
