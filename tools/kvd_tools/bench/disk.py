@@ -14,8 +14,9 @@ back, by kvd, bare and a file per block, one after the other:
   in one `complete_store`: from then until `disk.blocks_written` counts them
   all (polled every 5 ms), the daemon's write-behind copies each row into an
   I/O thread's buffer with its CRC-32C and writes it (`O_DIRECT`).
-- bare write: the same rows, from the same mapping, at the same offsets of a
-  preallocated file, `O_DIRECT`, same queue depth (`kvd_tools.bench.disk_io`).
+- bare write: as many rows, at the same offsets of a preallocated file, in
+  the same order, `O_DIRECT`, same queue depth, each from its thread's
+  buffer, as the daemon writes (`kvd_tools.bench.disk_io`).
 - files store: each row to a file of its own, as vLLM's fs tier writes it.
 - a simulated reboot: the daemon SIGKILLed, the pool's segments unlinked, the
   daemon started again: the pool comes back empty, the slab is adopted.
@@ -266,7 +267,7 @@ def _stores(p: Attached, sz: Sizes, data: RowBytes, keys: list[bytes], where: Pa
 
 def _bare_writes(sz: Sizes, offsets: list[int], rows: list[memoryview],
                  where: Path) -> dict[str, float]:  # fmt: skip
-    bare = disk_io.bare_write(where / "bare.slab", offsets, rows, sz.qd)
+    bare = disk_io.bare_write(where / "bare.slab", offsets, bytes(rows[0]), sz.qd)
     return _per_gb("bare_write", bare, sz, "bare_cpu_s_per_gb_write")
 
 
