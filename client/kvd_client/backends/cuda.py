@@ -32,12 +32,43 @@ Backends over one region (the parts of slots holding several device blocks,
 `SlotLayout.of`) share its registration: the first registers it, the last
 to close unregisters it.
 
+A registration the driver refuses (a sandbox such as gVisor that cannot pin
+a shared mapping, a pool past what the driver will lock) raises KvdError:
+the vLLM worker logs "kvd offloading off" at its start, and every job after
+fails at once (a load recomputed, a store not completed; one log line a
+kind at most every 30 s, `kvd_client.vllm.boundary`). A failed
+`cudaHostRegister` leaves its error pending on the calling thread, and
+torch's next launch check (`cudaGetLastError` after each kernel) would
+report it as that kernel's failure: vLLM's next forward pass would crash
+the engine. So the failure is cleared at once with `cudaGetLastError`, as
+vLLM's own `host_register` does (`vllm/v1/kv_offload/cpu/host_register.py`).
+torch's `torch.cuda.cudart()` has `cudaHostRegister` but no
+`cudaGetLastError`, and the error must be cleared in the runtime that
+recorded it, so registering, unregistering and clearing all go through the
+CUDA runtime library torch loaded (found in `/proc/self/maps`, as vLLM's
+`find_loaded_library` finds it), called with ctypes. A refusal is kept for
+the process: later backends raise it again without asking the driver, so a
+worker that maps the pool again for each job does not pin (and unpin) up to
+the whole pool on every one.
+
+Why raise rather than copy through pageable memory, as vLLM falls back to
+(its copies "still work but may be slower"): whichever leaves less code that
+has never run. torch's `non_blocking` copies to and from pageable memory
+are synchronous with the host (a D2H copy returns when it is done, after
+the store's wait for the compute stream), so every `submit` would block
+vLLM's step, against this module's contract, in a mode that neither
+`tests/gpu/` nor a user has run. Raising adds only the failure branch
+itself (clear, raise), which `tests/unit/test_backend_cuda_pin.py`
+runs against a stub runtime.
+
 torch is imported at module level but nothing touches CUDA until a backend
 is built, so this module imports on CPU-only hosts.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import threading
 import time
@@ -64,11 +95,59 @@ _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 # (host pointer, bytes) -> backends of this process holding that registration
 _PINNED: dict[tuple[int, int], int] = {}
 _PINNED_LOCK = threading.Lock()  # a worker's keeper thread builds backends too
+_REFUSED: list[str] = []  # why the driver refused a registration in this process
+
+
+def _loaded_library(prefix: str) -> str | None:
+    """The path of the loaded library `prefix`.so[...] (or `prefix`-<hash>.so), if any."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line[line.find("/") :].strip() if "/" in line else ""
+            if path.rsplit("/", 1)[-1].startswith((f"{prefix}.", f"{prefix}-")):
+                return path
+    return None
+
+
+@functools.cache
+def _cudart() -> Any:
+    """The CUDA runtime torch loaded, with the three calls kvd makes (module docstring)."""
+    path = _loaded_library("libcudart")
+    if path is None:
+        raise KvdError("no CUDA runtime (libcudart) is loaded here: cannot pin the pool",
+                       ErrorCode.INTERNAL)  # fmt: skip
+    lib = ctypes.CDLL(path)
+    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+    lib.cudaGetLastError.argtypes = []
+    for call in (lib.cudaHostRegister, lib.cudaHostUnregister, lib.cudaGetLastError):
+        call.restype = ctypes.c_int
+    return lib
+
+
+def _register(ptr: int, nbytes: int) -> None:
+    """Registers `nbytes` at `ptr` as pinned memory; KvdError, with the CUDA error
+    cleared, if the driver refuses (now or earlier in this process)."""
+    if _REFUSED:
+        raise KvdError(f"{_REFUSED[0]} (refused earlier in this process)", ErrorCode.INTERNAL)
+    cudart = _cudart()
+    code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_DEFAULT))
+    if code == 0:
+        return
+    cudart.cudaGetLastError()  # else torch's next launch check fails the next kernel
+    hint = " (already registered: close the other backend first)" * (code == _ALREADY_REGISTERED)
+    _REFUSED.append(f"cudaHostRegister of the pool failed: cudaError {code}{hint}")
+    raise KvdError(_REFUSED[0], ErrorCode.INTERNAL)
+
+
+def _unregister(ptr: int) -> None:
+    """Unregisters what `_register` pinned at `ptr`; a failure is cleared, not raised
+    (close goes on)."""
+    cudart = _cudart()
+    if int(cudart.cudaHostUnregister(ptr)) != 0:
+        cudart.cudaGetLastError()
 
 
 # torch.cuda's Python helpers carry no annotations; these wrappers type them.
-def _cudart() -> Any:
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 def _timing_event() -> torch.cuda.Event:
@@ -121,17 +200,7 @@ class CudaBackend(TransferBackend):
         self._registered = False
         with torch.cuda.device(device), _PINNED_LOCK:
             if self._pin not in _PINNED:
-                code = int(
-                    _cudart().cudaHostRegister(*self._pin, _HOST_REGISTER_DEFAULT)
-                )  # fmt: skip
-                if code != 0:
-                    hint = " (already registered: close the other backend first)" * (
-                        code == _ALREADY_REGISTERED
-                    )
-                    raise KvdError(
-                        f"cudaHostRegister of the pool failed: cudaError {code}{hint}",
-                        ErrorCode.INTERNAL,
-                    )
+                _register(*self._pin)
             _PINNED[self._pin] = _PINNED.get(self._pin, 0) + 1
             self._registered = True
         with torch.cuda.device(device):
@@ -242,7 +311,7 @@ class CudaBackend(TransferBackend):
             if left:
                 _PINNED[self._pin] = left
             else:
-                _cudart().cudaHostUnregister(self._host_ptr)
+                _unregister(self._host_ptr)
 
     def _finish(self, result: CopyResult) -> None:
         self._done[result.job_id] = result
