@@ -5,8 +5,9 @@ vLLM, so it runs where vLLM cannot be installed. The tensors are shaped as
 vLLM's canonical KV caches (one `(num_blocks, page_bytes)` int8 tensor a
 layer, Llama 3 8B's page: 16 tokens, 8 KV heads of 128, bf16); the pool is
 a POSIX shared-memory segment mapped as the worker maps the daemon's.
-Checked: bytes round trip (one group, and two groups with two device blocks
-a chunk), store and load GB/s against a plain pinned `copy_` of the same
+Checked: bytes round trip (one group, also with the pool pinned in pieces of
+3 slots as kvd pins one past 64 GiB, and two groups with two device blocks a
+chunk), store and load GB/s against a plain pinned `copy_` of the same
 bytes (goal >= 0.9x; the figures go to `$OUT/vllm_copies.json`), and no
 host synchronization inside `submit` (behind a busy compute stream it
 returns before the copy can start).
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 from kvd_client import protocol as p
+from kvd_client.backends import cuda
 from kvd_client.vllm.copies import Copies
 
 pytestmark = [
@@ -85,7 +87,14 @@ def run(copies: Copies, job: int, store: bool, dev: list[int], sizes: list[int],
     return seconds
 
 
-def test_one_group_round_trips_bytes(segment: tuple[str, int]) -> None:
+@pytest.mark.parametrize("piece_slots", [0, 3])
+def test_one_group_round_trips_bytes(
+    segment: tuple[str, int], monkeypatch: pytest.MonkeyPatch, piece_slots: int
+) -> None:
+    """`piece_slots`: the pool registered in pieces of that many slots (0: in one, as
+    under 64 GiB), so stretches of adjacent slots are cut where each piece ends."""
+    if piece_slots:
+        monkeypatch.setattr(cuda, "MAX_REGISTER_BYTES", piece_slots * LAYERS * PAGE)
     tensors = canonical()
     copies = mapped(tensors, segment, 1, 1)
     try:

@@ -30,7 +30,13 @@ overwrite what the load brings.
 
 Backends over one region (the parts of slots holding several device blocks,
 `SlotLayout.of`) share its registration: the first registers it, the last
-to close unregisters it.
+to close unregisters it. It is registered in pieces of at most
+`MAX_REGISTER_BYTES` (64 GiB), each a whole number of rows and of pages, as
+vLLM registers its offload region (`MAX_HOST_REGISTER_CHUNK_BYTES = 64 *
+1024**3` and `pin_mmap_region` in `vllm/v1/kv_offload/cpu/gpu_worker.py`,
+"to avoid driver limits on large host allocations"); a piece refused undoes
+the ones before it. No memcpy crosses a piece: a stretch of adjacent pool
+blocks is cut where a piece ends, as it is where a staging chunk ends.
 
 A registration the driver refuses (a sandbox such as gVisor that cannot pin
 a shared mapping, a pool past what the driver will lock) raises KvdError:
@@ -58,7 +64,7 @@ are synchronous with the host (a D2H copy returns when it is done, after
 the store's wait for the compute stream), so every `submit` would block
 vLLM's step, against this module's contract, in a mode that neither
 `tests/gpu/` nor a user has run. Raising adds only the failure branch
-itself (clear, raise), which `tests/unit/test_backend_cuda_pin.py`
+itself (clear, roll back, raise), which `tests/unit/test_backend_cuda_pin.py`
 runs against a stub runtime.
 
 torch is imported at module level but nothing touches CUDA until a backend
@@ -70,6 +76,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import math
+import mmap
 import threading
 import time
 from collections import OrderedDict
@@ -92,8 +100,10 @@ NUM_STREAMS = 2
 STAGING_BYTES = 64 << 20
 _HOST_REGISTER_DEFAULT = 0
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
-# (host pointer, bytes) -> backends of this process holding that registration
-_PINNED: dict[tuple[int, int], int] = {}
+MAX_REGISTER_BYTES = 64 << 30  # one cudaHostRegister call at most (module docstring)
+# (host pointer, bytes) -> (backends of this process holding that registration,
+# the addresses of its pieces)
+_PINNED: dict[tuple[int, int], tuple[int, list[int]]] = {}
 _PINNED_LOCK = threading.Lock()  # a worker's keeper thread builds backends too
 _REFUSED: list[str] = []  # why the driver refused a registration in this process
 
@@ -124,27 +134,46 @@ def _cudart() -> Any:
     return lib
 
 
-def _register(ptr: int, nbytes: int) -> None:
-    """Registers `nbytes` at `ptr` as pinned memory; KvdError, with the CUDA error
-    cleared, if the driver refuses (now or earlier in this process)."""
+def _piece_bytes(row_bytes: int) -> int:
+    """Bytes of a registration piece: whole rows and whole pages (so no page is
+    in two pieces), at most `MAX_REGISTER_BYTES` unless one such unit is more."""
+    unit = math.lcm(row_bytes, mmap.PAGESIZE)
+    return max(1, MAX_REGISTER_BYTES // unit) * unit
+
+
+def _register(ptr: int, nbytes: int, row_bytes: int) -> list[int]:
+    """Registers `nbytes` at `ptr` as pinned memory, piece by piece (`_piece_bytes`);
+    the pieces' addresses. KvdError, with the CUDA error cleared and the pieces
+    before it undone, if the driver refuses one (now or earlier in this process)."""
     if _REFUSED:
         raise KvdError(f"{_REFUSED[0]} (refused earlier in this process)", ErrorCode.INTERNAL)
     cudart = _cudart()
-    code = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_DEFAULT))
-    if code == 0:
-        return
-    cudart.cudaGetLastError()  # else torch's next launch check fails the next kernel
-    hint = " (already registered: close the other backend first)" * (code == _ALREADY_REGISTERED)
-    _REFUSED.append(f"cudaHostRegister of the pool failed: cudaError {code}{hint}")
-    raise KvdError(_REFUSED[0], ErrorCode.INTERNAL)
+    piece = _piece_bytes(row_bytes)
+    done: list[int] = []
+    for offset in range(0, nbytes, piece):
+        code = int(cudart.cudaHostRegister(ptr + offset, min(piece, nbytes - offset),
+                                           _HOST_REGISTER_DEFAULT))  # fmt: skip
+        if code == 0:
+            done.append(ptr + offset)
+            continue
+        cudart.cudaGetLastError()  # else torch's next launch check fails the next kernel
+        _unregister(done)
+        hint = " (already registered: close the other backend first)" * (
+            code == _ALREADY_REGISTERED
+        )
+        _REFUSED.append(f"cudaHostRegister of the pool failed at byte {offset} of {nbytes}: "
+                        f"cudaError {code}{hint}")  # fmt: skip
+        raise KvdError(_REFUSED[0], ErrorCode.INTERNAL)
+    return done
 
 
-def _unregister(ptr: int) -> None:
-    """Unregisters what `_register` pinned at `ptr`; a failure is cleared, not raised
-    (close goes on)."""
+def _unregister(pieces: list[int]) -> None:
+    """Unregisters the pieces `_register` pinned, last first; a failure is cleared,
+    not raised (close goes on)."""
     cudart = _cudart()
-    if int(cudart.cudaHostUnregister(ptr)) != 0:
-        cudart.cudaGetLastError()
+    for address in reversed(pieces):
+        if int(cudart.cudaHostUnregister(address)) != 0:
+            cudart.cudaGetLastError()
 
 
 # torch.cuda's Python helpers carry no annotations; these wrappers type them.
@@ -196,13 +225,15 @@ class CudaBackend(TransferBackend):
         self._device = device
         self._loads_wait = loads_wait
         self._pin = (views.host_flat.data_ptr(), geometry.size_bytes)
-        self._host_ptr = self._pin[0]
         self._registered = False
         with torch.cuda.device(device), _PINNED_LOCK:
-            if self._pin not in _PINNED:
-                _register(*self._pin)
-            _PINNED[self._pin] = _PINNED.get(self._pin, 0) + 1
+            holders, pieces = _PINNED.get(self._pin, (0, []))
+            if not holders:
+                pieces = _register(*self._pin, geometry.row_bytes)
+            _PINNED[self._pin] = (holders + 1, pieces)
             self._registered = True
+        # Pool blocks a registration piece holds: no memcpy crosses a piece.
+        self._piece_rows = _piece_bytes(geometry.row_bytes) // geometry.row_bytes
         with torch.cuda.device(device):
             try:
                 self._streams = [_new_stream(device) for _ in range(max(1, num_streams))]
@@ -307,11 +338,11 @@ class CudaBackend(TransferBackend):
             return
         self._registered = False
         with _PINNED_LOCK:
-            left = _PINNED.pop(self._pin) - 1
-            if left:
-                _PINNED[self._pin] = left
+            holders, pieces = _PINNED.pop(self._pin)
+            if holders > 1:
+                _PINNED[self._pin] = (holders - 1, pieces)
             else:
-                _unregister(self._host_ptr)
+                _unregister(pieces)
 
     def _finish(self, result: CopyResult) -> None:
         self._done[result.job_id] = result
@@ -353,7 +384,7 @@ class CudaBackend(TransferBackend):
             staging.narrow(1, off // item, host.shape[1])
             for off, host in zip(views.layout.layer_offsets, views.host, strict=True)
         ]
-        for chunk_start, pieces in self._chunks(pool_sorted):
+        for chunk_start, pieces in _chunks(pool_sorted, self._staging_rows, self._piece_rows):
             k = min(self._staging_rows, pool_sorted.numel() - chunk_start)
             idx = device_idx[chunk_start : chunk_start + k]
             if store:
@@ -364,24 +395,6 @@ class CudaBackend(TransferBackend):
             if not store:
                 for dev, col in zip(views.device, layer_cols, strict=True):
                     dev.index_copy_(0, idx, col[:k])
-
-    def _chunks(self, pool_sorted: torch.Tensor) -> list[tuple[int, list[tuple[int, int, int]]]]:
-        """Sorted pool ids cut into staging chunks, each with its stretches of adjacent
-        pool blocks as (first pool block, start, end) positions in sorted order."""
-        n, rows = pool_sorted.numel(), self._staging_rows
-        cuts = torch.nonzero(pool_sorted[1:] - pool_sorted[:-1] != 1).flatten().add_(1).tolist()
-        bounds = [0, *cuts, n]
-        firsts = pool_sorted[bounds[:-1]].tolist()
-        chunks: list[tuple[int, list[tuple[int, int, int]]]] = [
-            (start, []) for start in range(0, n, rows)
-        ]
-        for first, start, stop in zip(firsts, bounds[:-1], bounds[1:], strict=True):
-            pool, a = first, start
-            while a < stop:  # a stretch crossing a chunk boundary is split there
-                end = min(stop, (a // rows + 1) * rows)
-                chunks[a // rows][1].append((pool, a, end))
-                pool, a = pool + end - a, end
-        return chunks
 
     def _host_copy(self, views: BlockViews, first: int, rows: torch.Tensor, store: bool) -> None:
         """Staging `rows` <-> pool blocks `first..`; one async memcpy per contiguous host range."""
@@ -396,3 +409,26 @@ class CudaBackend(TransferBackend):
                 host.copy_(dev, non_blocking=True)
             else:
                 dev.copy_(host, non_blocking=True)
+
+
+def _chunks(
+    pool_sorted: torch.Tensor, rows: int, piece_rows: int
+) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """Sorted pool ids cut into staging chunks of `rows`, each with its stretches of
+    adjacent pool blocks as (first pool block, start, end) positions in sorted order;
+    a stretch is cut where a chunk ends and where a registration piece of
+    `piece_rows` pool blocks ends."""
+    n = pool_sorted.numel()
+    cuts = torch.nonzero(pool_sorted[1:] - pool_sorted[:-1] != 1).flatten().add_(1).tolist()
+    bounds = [0, *cuts, n]
+    firsts = pool_sorted[bounds[:-1]].tolist()
+    chunks: list[tuple[int, list[tuple[int, int, int]]]] = [
+        (start, []) for start in range(0, n, rows)
+    ]
+    for first, start, stop in zip(firsts, bounds[:-1], bounds[1:], strict=True):
+        pool, a = first, start
+        while a < stop:
+            end = min(stop, (a // rows + 1) * rows, a + piece_rows - pool % piece_rows)
+            chunks[a // rows][1].append((pool, a, end))
+            pool, a = pool + end - a, end
+    return chunks
