@@ -248,9 +248,7 @@ def test_a_slab_that_fails_a_check_is_made_again_empty_with_the_reason(
     assert again.header.generation == slab.header.generation
 
 
-def test_a_slab_smaller_than_the_share_is_kept_at_its_size(
-    where: Path, opened: list[Slab]
-) -> None:
+def test_a_slab_smaller_than_the_share_is_kept_at_its_size(where: Path, opened: list[Slab]) -> None:
     """The share grew (more RAM, more disk_bytes, disk_bytes = 0 on a filesystem
     that filled): the slab is adopted as it is, its rows with it."""
     old = made(where)
