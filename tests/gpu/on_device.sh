@@ -41,25 +41,26 @@ export PYTHONPATH="$PWD:$PWD/client:$PWD/tools:$site" PYTHONUNBUFFERED=1
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" \
     || { echo "on_device: torch sees no CUDA device" | tee -a "$out/device.txt"; exit 3; }
 # Preflight: can kvd pin a /dev/shm mapping here (a sandbox such as gVisor may
-# refuse)? 4 MiB through kvd's CUDA backend, registered in 4 pieces as a pool
-# past 64 GiB is, then a kernel: a CUDA error left pending by a refusal would
-# fail it. One line either way. Refused: an anonymous mapping is tried too;
-# if that pins (rc 4), the tests that need no /dev/shm and the bench still
-# run; if neither pins (rc 5), nothing else does. Any other failure of the
-# preflight itself runs everything.
+# refuse)? 4 MiB through kvd's CUDA backend, then a kernel: a CUDA error left
+# pending by a refusal would fail it. Pinned: again in 4 pieces, as a pool
+# past 64 GiB is (rc 6 if that alone fails). Refused: an anonymous mapping is
+# tried too; if that pins (rc 4), the tests that need no /dev/shm and the
+# bench still run; if neither pins (rc 5), nothing else does. One line each
+# way; any other failure of the preflight itself runs everything.
 timeout 30 python3 - <<'EOF' 2>&1 | tee -a "$out/device.txt"
 import mmap, os, sys
 import torch
 from kvd_client.backends import cuda, make_backend
 from kvd_client.geometry import Geometry
 
-cuda.MAX_REGISTER_BYTES = 1 << 20
 geometry = Geometry.plan(slot_bytes=256 << 10, world_size=1, replicated=False,
                          capacity_bytes=4 << 20)
 kv = torch.zeros(geometry.num_blocks, 256 << 10, dtype=torch.uint8, device="cuda")
 
-def pin(region):
-    """None if kvd's backend pinned `region`, else why not."""
+def pin(region, piece=64 << 30):
+    """None if kvd's backend pinned `region` (in pieces of `piece` bytes), else why not."""
+    cuda._REFUSED.clear()
+    cuda.MAX_REGISTER_BYTES = piece
     why = None
     try:
         make_backend("cuda", kv, region, geometry, 0).close()
@@ -82,9 +83,10 @@ finally:
     os.unlink(path)
 why = pin(shm)
 if why is None:
-    print("on_device: preflight: kvd pinned a 4 MiB /dev/shm mapping (4 pieces)")
-    sys.exit(0)
-cuda._REFUSED.clear()
+    pieces = pin(shm, 1 << 20)
+    print("on_device: preflight: kvd pinned a 4 MiB /dev/shm mapping; in 4 pieces: "
+          f"{'pinned' if pieces is None else pieces}")
+    sys.exit(0 if pieces is None else 6)
 anon = pin(mmap.mmap(-1, geometry.size_bytes))
 print(f"on_device: preflight: kvd cannot pin a /dev/shm mapping here ({why}); an anonymous "
       f"mapping: {'pinned' if anon is None else anon}")
