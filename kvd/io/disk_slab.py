@@ -21,15 +21,14 @@ Both files are given their whole size when made (`posix_fallocate`), so a
 full filesystem shows then (`SlabError`), never mid-write. The slab is
 locked (`flock`, exclusive) while open: two daemons never share one. Rows
 move whole (`disk_row_bytes` from or into an aligned staging buffer) with
-`O_DIRECT` where the filesystem takes it, else buffered.
+`O_DIRECT` where the filesystem takes it, else buffered with
+`POSIX_FADV_DONTNEED` after each row (the page cache is not a second copy).
 
-A row is written before its checksum and its entry; the entry's state byte
-is STORING from the moment its slot is handed to a write (the slot table's
-write order, kvd_client.segment), so a daemon killed mid-write leaves no
-entry that names a half-written row, and every read is checked against the
-row's CRC-32C, so a torn or damaged row is a miss.
-
-Row I/O goes through the fault seam of `kvd.io.disk_faults` (tests only).
+A row is written before its checksum and its entry, whose state is STORING
+from the moment its slot is handed to a write (kvd_client.segment's order):
+a daemon killed mid-write leaves no entry naming a half-written row, and
+every read is checked against the row's CRC-32C. Row I/O goes through the
+fault seam of `kvd.io.disk_faults` (tests only).
 """
 
 from __future__ import annotations
@@ -176,7 +175,10 @@ class Slab:
             time.sleep(f.read_slow_s)
         if f.read_eio:
             raise OSError(errno.EIO, "injected read error (KVD_DISK_FAULTS)")
-        n = os.preadv(self.fd, [buf[: self.disk_row_bytes]], self.offset(slot))
+        at = self.offset(slot)
+        n = os.preadv(self.fd, [buf[: self.disk_row_bytes]], at)
+        if not self.direct:  # buffered (the filesystem refused O_DIRECT): not cached twice
+            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
         return n // 2 if f.read_short else n
 
     def write_row(self, slot: int, buf: memoryview) -> int:
@@ -186,7 +188,11 @@ class Slab:
             time.sleep(f.write_slow_s)
         if f.write_eio:
             raise OSError(errno.EIO, "injected write error (KVD_DISK_FAULTS)")
-        return os.pwritev(self.fd, [buf[: self.disk_row_bytes]], self.offset(slot))
+        at = self.offset(slot)
+        n = os.pwritev(self.fd, [buf[: self.disk_row_bytes]], at)
+        if not self.direct:  # buffered: Linux starts the write-back, drops the pages after
+            os.posix_fadvise(self.fd, at, n, os.POSIX_FADV_DONTNEED)
+        return n
 
     def sync(self) -> None:
         """The entry table and checksums (and buffered rows) to the device, with
@@ -327,12 +333,8 @@ def _adopt(path: Path, want: SegmentHeader, faults: Faults, max_blocks: int) -> 
 
 
 def _pread_aligned(fd: int, size: int, offset: int) -> bytes:
-    buf = mmap.mmap(-1, size)  # page aligned: an O_DIRECT descriptor takes it
-    try:
-        n = os.preadv(fd, [buf], offset)
-        return bytes(buf[:n])
-    finally:
-        buf.close()
+    with mmap.mmap(-1, size) as buf:  # page aligned: an O_DIRECT descriptor takes it
+        return bytes(buf[: os.preadv(fd, [buf], offset)])
 
 
 def _read_entries_header(fd: int) -> SegmentHeader:

@@ -397,3 +397,25 @@ def test_the_fault_seam_fails_row_io(
     monkeypatch.setenv("KVD_DISK_FAULTS", "read_eoi")
     with pytest.raises(ValueError, match="unknown"):
         open_slab(str(where), wanted(), adopt=True)
+
+
+def test_a_filesystem_without_o_direct_moves_rows_buffered(
+    where: Path, opened: list[Slab], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where open(O_DIRECT) fails with EINVAL (some filesystems), rows move
+    buffered, byte for byte, each dropped from the page cache after."""
+    from kvd.io import disk_slab
+
+    real_open = os.open
+
+    def no_direct(path: object, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused (this test's filesystem)")
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_slab.os, "open", no_direct)
+    slab, _ = reopen(where, opened)
+    assert not slab.direct
+    data = put(slab, 4, b"k4", seed=4)
+    assert get(slab, 4) == data
+    slab.sync()
