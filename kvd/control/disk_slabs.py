@@ -29,7 +29,7 @@ from kvd.core.ownership import OwnedIndex
 from kvd.io.disk_slab import ALIGN, Slab, open_slab, round_up, slab_path
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Layout
-from kvd_client.segment import SegmentHeader
+from kvd_client.segment import PAGE, SegmentHeader
 
 log = logging.getLogger("kvd.control.disk_slabs")
 
@@ -101,6 +101,11 @@ class DiskSlabs:
             left = max(0, self.total - sum(v for k, v in self._sizes.items() if k != name))
             wanted = min(self.share(name, geometry.num_blocks * geometry.row_bytes), left)
             num_blocks = _rows_in(wanted, row)
+            # An earlier slab is kept up to a tenth over the share (disk_bytes = 0
+            # drifts with the free space), never over a share the config declares.
+            declared = any(pc.name == name and pc.disk_bytes is not None
+                           for pc in self.config.pools)  # fmt: skip
+            cap = wanted if declared else min(left, wanted + wanted // 10)
             if num_blocks < 1:
                 if wanted or self.total:
                     log.warning(
@@ -109,7 +114,7 @@ class DiskSlabs:
                         f"its share of disk_bytes ({wanted}) holds no row of {row}",
                     )
                 return None
-            self._sizes[name] = wanted  # reserved while it is made (a concurrent build)
+            self._sizes[name] = cap  # reserved while it is made (a concurrent build)
         want = SegmentHeader(0, num_blocks, geometry.row_bytes, geometry.slot_bytes,
                              geometry.num_slots, geometry.slot_stride, geometry.replicated,
                              name, msgspec.msgpack.encode(layout), policy)  # fmt: skip
@@ -117,7 +122,7 @@ class DiskSlabs:
         slab = None
         try:
             slab, refused = open_slab(self.config.disk_dir, want, adopt=self.adopt,
-                                      max_blocks=_rows_in(left, row))  # fmt: skip
+                                      max_blocks=_rows_in(cap, row))  # fmt: skip
             part = self._part(name, slab, refused, layout, policy, start)
         except Exception as exc:  # SlabError (room, lock), OSError, a bad KVD_DISK_FAULTS
             if slab is not None:
@@ -168,8 +173,9 @@ class DiskSlabs:
 
 def _rows_in(nbytes: int, disk_row_bytes: int) -> int:
     """Rows a slab of `nbytes` holds: each row, its 80-byte entry and its 4-byte
-    checksum; the slab's header page and the entry table's header and rounding."""
-    return max(0, (nbytes - 4 * ALIGN) // (disk_row_bytes + 84))
+    checksum; the slab's header page, the entry table's header (a layout of
+    up to 16 KiB) and two pages of rounding."""
+    return max(0, (nbytes - ALIGN - (16 << 10) - 2 * max(PAGE, ALIGN)) // (disk_row_bytes + 84))
 
 
 def _half_free(disk_dir: str) -> int:

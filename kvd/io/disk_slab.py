@@ -42,10 +42,18 @@ import os
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 
 from kvd.io.disk_faults import Faults
+from kvd.io.disk_header import (
+    ALIGN,
+    CRC_OFFSET,
+    FORMAT_VERSION,
+    SLAB_HEADER,
+    check_slab_header,
+    round_up,
+    slab_header,
+)
 from kvd.io.slot_table import SlotTable
 from kvd_client.segment import (
     HEADER,
@@ -57,50 +65,14 @@ from kvd_client.segment import (
 )
 
 log = logging.getLogger("kvd.io.disk_slab")
+__all__ = ["ALIGN", "CRC_OFFSET", "FORMAT_VERSION", "SLAB_HEADER", "Slab", "SlabError",
+           "open_slab", "round_up", "slab_path"]  # fmt: skip
 
-MAGIC = b"KVDSLAB\0"
-FORMAT_VERSION = 1
-SLAB_HEADER = struct.Struct("<8sIIQQQQQ32s")
-CRC_OFFSET = 12
-ALIGN = 4096  # rows, offsets and buffers for O_DIRECT
 ROW_CRC = struct.Struct("<I")
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 class SlabError(OSError):
     """A slab that cannot be made or used (no space, locked by another daemon)."""
-
-
-def _slab_header(
-    slab_id: int, num_blocks: int, row_bytes: int, disk_row_bytes: int, print_: bytes
-) -> bytes:
-    raw = bytearray(SLAB_HEADER.pack(MAGIC, FORMAT_VERSION, 0, slab_id, num_blocks, row_bytes,
-                                     disk_row_bytes, ALIGN, print_))  # fmt: skip
-    struct.pack_into("<I", raw, CRC_OFFSET, zlib.crc32(raw))
-    return bytes(raw)
-
-
-def _check_slab_header(raw: bytes) -> tuple[int, int, int, int, bytes]:
-    """(slab_id, num_blocks, row_bytes, disk_row_bytes, fingerprint); BadSegment if bad."""
-    if len(raw) < SLAB_HEADER.size:
-        raise BadSegment("slab shorter than its header")
-    magic, version, crc, slab_id, n, row, disk_row, rows_offset, print_ = SLAB_HEADER.unpack(
-        raw[: SLAB_HEADER.size]
-    )
-    if magic != MAGIC:
-        raise BadSegment("no kvd slab header (bad magic)")
-    if version != FORMAT_VERSION:
-        raise BadSegment(f"slab format version {version}, this daemon reads {FORMAT_VERSION}")
-    zeroed = bytearray(raw[: SLAB_HEADER.size])
-    struct.pack_into("<I", zeroed, CRC_OFFSET, 0)
-    if zlib.crc32(zeroed) != crc:
-        raise BadSegment("slab header checksum mismatch")
-    if rows_offset != ALIGN or disk_row != round_up(row) or n < 1:
-        raise BadSegment("slab header geometry is inconsistent")
-    return slab_id, n, row, disk_row, print_
 
 
 def _entries_size(header: SegmentHeader) -> int:
@@ -299,7 +271,7 @@ def _adopt(path: Path, want: SegmentHeader, faults: Faults, max_blocks: int) -> 
     _lock(fd, path)
     efd = -1
     try:
-        slab_id, n, row, _, print_ = _check_slab_header(_pread_aligned(fd, ALIGN, 0))
+        slab_id, n, row, _, print_ = check_slab_header(_pread_aligned(fd, ALIGN, 0))
         if row != want.row_bytes:
             raise BadSegment(f"slab holds rows of {row} bytes, the pool's are {want.row_bytes}")
         if print_ != hashlib.sha256(want.layout).digest():
@@ -322,8 +294,12 @@ def _adopt(path: Path, want: SegmentHeader, faults: Faults, max_blocks: int) -> 
         if os.fstat(efd).st_size != _entries_size(header):
             raise BadSegment("entry table truncated")
         table = SlotTable(efd, header, fresh=False)
-        crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
-                            offset=header.data_offset)  # fmt: skip
+        try:
+            crc_map = mmap.mmap(efd, _entries_size(header) - header.data_offset,
+                                offset=header.data_offset)  # fmt: skip
+        except BaseException:
+            table.close()
+            raise
     except BaseException:
         if efd >= 0:
             os.close(efd)
@@ -376,7 +352,7 @@ def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
         print_ = hashlib.sha256(header.layout).digest()
         page = mmap.mmap(-1, ALIGN)
         try:
-            page[: SLAB_HEADER.size] = _slab_header(slab_id, header.num_blocks, header.row_bytes,
+            page[: SLAB_HEADER.size] = slab_header(slab_id, header.num_blocks, header.row_bytes,
                                                     round_up(header.row_bytes), print_)  # fmt: skip
             os.pwritev(fd, [page], 0)
         finally:
@@ -385,7 +361,7 @@ def _create(path: Path, want: SegmentHeader, faults: Faults) -> Slab:
         slab = Slab(path, fd, direct, efd, table, crc_map, header, faults)
         slab.created = True
     except BaseException:
-        for made in (path, epath):  # nothing half-made stays (under the lock still)
+        for made in (epath, path):  # nothing half-made stays (the slab, locked, last)
             made.unlink(missing_ok=True)
         if crc_map is not None:
             crc_map.close()

@@ -119,6 +119,8 @@ class DiskThreads:
                     task(staging)
                 except Exception:  # a bug in a task: the thread must live on
                     log.exception("event=disk_task_failed")
+                finally:
+                    del task  # not kept while idle: it may hold a dropped pool's mapping
         finally:
             staging.close()
 

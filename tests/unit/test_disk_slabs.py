@@ -33,16 +33,16 @@ def test_a_pools_share_is_disk_bytes_times_its_ram_over_max_total(tmp_path: Path
 
 
 def test_a_slab_survives_a_start_whose_share_is_smaller_only_when_it_fits(tmp_path: Path) -> None:
-    """disk_bytes or the pool's RAM shrank: the old slab is kept while what is
-    left of disk_bytes holds it; else it is made again at the new size."""
+    """disk_bytes or the pool's RAM shrank: the old slab is kept while it is at
+    most a tenth over the new share; else it is made again at the new size."""
     first = slabs(tmp_path, disk_bytes=640 * MiB).open("a", LAYOUT, geometry(4 * MiB), "lru")
     assert first is not None
     rows = first.slab.num_blocks
     first.slab.close()
-    kept = slabs(tmp_path, disk_bytes=640 * MiB).open("a", LAYOUT, geometry(2 * MiB), "lru")
+    kept = slabs(tmp_path, disk_bytes=600 * MiB).open("a", LAYOUT, geometry(4 * MiB), "lru")
     assert kept is not None and not kept.slab.created and kept.slab.num_blocks == rows
     kept.slab.close()
-    smaller = slabs(tmp_path, disk_bytes=20 * MiB).open("a", LAYOUT, geometry(4 * MiB), "lru")
+    smaller = slabs(tmp_path, disk_bytes=640 * MiB).open("a", LAYOUT, geometry(2 * MiB), "lru")
     assert smaller is not None and smaller.slab.created and smaller.slab.num_blocks < rows
     smaller.slab.close()
 
