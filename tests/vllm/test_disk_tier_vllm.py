@@ -217,10 +217,16 @@ def test_after_a_reboot_the_adopted_slab_serves_vllm(
     assert not any(Path("/dev/shm", name.lstrip("/")).exists() for name in segments)
     daemon.start()
 
-    def adopted() -> bool:  # the plug-in re-attached: the pool, and its slab, are back
+    def adopted() -> bool:
+        """The plug-in re-attached, its scheduler and its worker both (the worker's
+        session alone comes back first after a SIGKILL: a lookup of the scheduler
+        meanwhile is a miss), and the pool and its slab are back."""
         with contextlib.suppress(AssertionError, ValueError):
-            return pool_info(daemon, POOL).blocks_ready == 0 and (
-                counters(daemon).get("disk.blocks", 0) >= A_BLOCKS
+            info = pool_info(daemon, POOL)
+            return (
+                info.blocks_ready == 0
+                and info.sessions >= 2
+                and (counters(daemon).get("disk.blocks", 0) >= A_BLOCKS)
             )
         return False
 
