@@ -28,18 +28,16 @@ import functools
 import itertools
 import logging
 import threading
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvd.config import Config
-from kvd.control.disk_slabs import DiskPart
+from kvd.control.disk_slabs import DiskLoop, DiskPart
 from kvd.errors import KvdError
-from kvd.io.disk_threads import DiskThreads, Staging, copy_crc, crc32c
+from kvd.io.disk_threads import Staging, copy_crc, crc32c
 
 if TYPE_CHECKING:
-    from kvd.control.pools import Pool, PoolRegistry
+    from kvd.control.pools import Pool
     from kvd.io.region import Rows
 
 log = logging.getLogger("kvd.control.disk_reads")
@@ -77,23 +75,10 @@ class Fetch:
         return ("disk-fetch", self.fetch_id)
 
 
-class DiskReads:
-    def __init__(
-        self,
-        config: Config,
-        pools: PoolRegistry,
-        counters: Counter[str],
-        threads: DiskThreads,
-        post: Callable[[Callable[[], None]], object],
-        rows_of: Callable[[Pool], Rows],
-    ) -> None:
-        self.config = config
-        self.pools = pools
-        self.counters = counters
-        self.threads = threads
-        self.post = post
-        self._rows_of = rows_of
-        self.timeout_s = config.disk_timeout_ms / 1000
+class DiskReads(DiskLoop):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.timeout_s = self.config.disk_timeout_ms / 1000
         self._ids = itertools.count(1)
         self._fetches: dict[int, Fetch] = {}
         self.in_flight = 0  # bytes of the fetches whose rows threads still read

@@ -18,8 +18,11 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -27,9 +30,14 @@ from kvd.config import Config
 from kvd.core.index import BlockIndex
 from kvd.core.ownership import OwnedIndex
 from kvd.io.disk_slab import ALIGN, Slab, open_slab, round_up, slab_path
+from kvd.io.disk_threads import DiskThreads
 from kvd_client.geometry import Geometry
 from kvd_client.protocol import Layout
 from kvd_client.segment import PAGE, SegmentHeader
+
+if TYPE_CHECKING:
+    from kvd.control.pools import Pool, PoolRegistry
+    from kvd.io.region import Rows
 
 log = logging.getLogger("kvd.control.disk_slabs")
 
@@ -69,6 +77,28 @@ class DiskPart:
         self.seen.clear()
         self.epoch += 1
         self.resetting = False
+
+
+class DiskLoop:
+    """What the disk tier's reads and writes share on the loop: the config, the
+    pools, the counters, the I/O threads, `post` (a thread's result to the
+    loop) and `rows_of` (a pool's rows, mapped once)."""
+
+    def __init__(
+        self,
+        config: Config,
+        pools: PoolRegistry,
+        counters: Counter[str],
+        threads: DiskThreads,
+        post: Callable[[Callable[[], None]], object],
+        rows_of: Callable[[Pool], Rows],
+    ) -> None:
+        self.config = config
+        self.pools = pools
+        self.counters = counters
+        self.threads = threads
+        self.post = post
+        self._rows_of = rows_of
 
 
 class DiskSlabs:

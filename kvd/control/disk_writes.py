@@ -25,18 +25,15 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvd.config import Config
-from kvd.control.disk_slabs import DiskPart
+from kvd.control.disk_slabs import DiskLoop, DiskPart
 from kvd.errors import KvdError
-from kvd.io.disk_threads import DiskThreads, Staging, copy_crc, crc32c
+from kvd.io.disk_threads import Staging, copy_crc, crc32c
 
 if TYPE_CHECKING:
-    from kvd.control.pools import Pool, PoolRegistry
+    from kvd.control.pools import Pool
     from kvd.io.region import Rows
 
 log = logging.getLogger("kvd.control.disk_writes")
@@ -69,26 +66,13 @@ class Write:
         return ("disk-write", self.write_id)
 
 
-class DiskWrites:
-    def __init__(
-        self,
-        config: Config,
-        pools: PoolRegistry,
-        counters: Counter[str],
-        threads: DiskThreads,
-        post: Callable[[Callable[[], None]], object],
-        rows_of: Callable[[Pool], Rows],
-    ) -> None:
-        self.config = config
-        self.pools = pools
-        self.counters = counters
-        self.threads = threads
-        self.post = post
-        self._rows_of = rows_of
-        self.bound = config.disk_write_max_bytes
+class DiskWrites(DiskLoop):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.bound = self.config.disk_write_max_bytes
         self.in_flight = 0  # bytes
         self._ids = itertools.count(1)
-        self.second = config.disk_admit == "second"
+        self.second = self.config.disk_admit == "second"
         self._writes: dict[int, Write] = {}  # whose RAM rows are still pinned
 
     def write(self, pool: Pool, keys: list[bytes]) -> None:
