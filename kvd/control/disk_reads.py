@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvd.control.disk_slabs import DiskLoop, DiskPart
+from kvd.control.write_behind import complete_fetch
 from kvd.errors import KvdError
 from kvd.io.disk_threads import Staging, copy_crc, crc32c
 
@@ -223,17 +224,7 @@ class DiskReads(DiskLoop):
             return  # the pool went, and its index with it
         done = [k for k, good in zip(fetch.keys, ok, strict=True) if good]
         failed = [k for k, good in zip(fetch.keys, ok, strict=True) if not good]
-        tap = pool.tap
-        if tap is not None:
-            tap.source = "disk"  # read from disk: written to no tier again
-        try:
-            if done:
-                pool.owned.complete_store(fetch.owner, done, True)
-            if failed:
-                pool.owned.complete_store(fetch.owner, failed, False)
-        finally:
-            if tap is not None:
-                tap.source = "store"
+        complete_fetch(pool, fetch.owner, done, failed, "disk")  # written to no tier again
         self.counters["disk.hits"] += len(done)
         self.counters["disk.fetch_failures"] += len(failed)
 

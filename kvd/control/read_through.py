@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.config import Config
+from kvd.control.write_behind import complete_fetch
 from kvd.io.remote_store import RemoteError, RemoteStore, RemoteThread
 from kvd.io.remote_value import BadValue, copy_value, remote_key
 
@@ -324,17 +325,7 @@ class ReadThrough:
         failed = [k for k in fetch.keys if k not in done]
         for k in failed:
             self._miss(fetch.pool, k, now)
-        tap = pool.tap
-        if tap is not None:
-            tap.source = "remote"  # not written back; the disk tier keeps them
-        try:
-            if copied:
-                pool.owned.complete_store(fetch.owner, copied, True)
-            if failed:
-                pool.owned.complete_store(fetch.owner, failed, False)
-        finally:
-            if tap is not None:
-                tap.source = "store"
+        complete_fetch(pool, fetch.owner, copied, failed, "remote")  # never written back
         self.counters["remote.hits"] += len(copied)
         self.counters["remote.fetch_failures"] += len(failed)
 

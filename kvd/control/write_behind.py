@@ -82,6 +82,24 @@ class ReadyTap:
         return keys, fetched
 
 
+def complete_fetch(
+    pool: Pool, owner: object, done: Sequence[bytes], failed: Sequence[bytes], source: str
+) -> None:
+    """Ends a lower tier's fetch into `pool`'s RAM: `done` ready, `failed` freed,
+    the pool's tap told where the ready ones came from (`ReadyTap.source`)."""
+    tap = pool.tap
+    if tap is not None:
+        tap.source = source
+    try:
+        if done:
+            pool.owned.complete_store(owner, done, True)
+        if failed:
+            pool.owned.complete_store(owner, failed, False)
+    finally:
+        if tap is not None:
+            tap.source = "store"
+
+
 @dataclass(eq=False)
 class Write:
     write_id: int
