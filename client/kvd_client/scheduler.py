@@ -85,12 +85,16 @@ class Scheduler:
         self.table: MappedTable | None = None
         self._old_table: MappedTable | None = None
         # Table lookups not reported yet, as (keys, hits); the reporter thread drains
-        # it every OBSERVE_EVERY_S, or at once when OBSERVE_BATCH are waiting.
+        # it OBSERVE_EVERY_S after the first one queued, or at once when OBSERVE_BATCH
+        # are waiting. With none queued it sleeps: in an engine's process a thread
+        # that wakes every few ms takes the GIL from the engine's step (on a 2-core
+        # host that cost a decode step about a tenth, `kvd bench peers`).
         self._observed: collections.deque[tuple[list[bytes], int]] = collections.deque()
         # Held while one thread drains `_observed` and posts it (the reporter and
         # the engine's thread both flush): no IndexError, and batches go in order.
         self._flush_lock = threading.Lock()
-        self._wake = threading.Event()
+        self._queued = threading.Event()  # set by a lookup queued
+        self._full = threading.Event()  # set when OBSERVE_BATCH are queued
         self._stopping = threading.Event()
         self._reporter: threading.Thread | None = None
         self.layout = layout
@@ -257,13 +261,19 @@ class Scheduler:
         if self._reporter is None:
             self._reporter = threading.Thread(target=self._report, name="kvd-observe", daemon=True)
             self._reporter.start()
+        self._queued.set()
         if len(self._observed) >= OBSERVE_BATCH:
-            self._wake.set()
+            self._full.set()
 
     def _report(self) -> None:
         while not self._stopping.is_set():
-            self._wake.wait(OBSERVE_EVERY_S)
-            self._wake.clear()
+            self._queued.wait()  # no wake-ups while nothing is queued
+            if self._stopping.is_set():
+                return
+            self._full.wait(OBSERVE_EVERY_S)  # more lookups of the same step join
+            # Cleared before draining: a lookup queued after the drain sets it again.
+            self._queued.clear()
+            self._full.clear()
             self.flush_observed()
 
     def flush_observed(self) -> int:
@@ -422,7 +432,8 @@ class Scheduler:
         """Ends the session (the daemon rolls back what it still holds)."""
         if self._reporter is not None:
             self._stopping.set()
-            self._wake.set()
+            self._queued.set()
+            self._full.set()
             self._reporter.join(timeout=5)
         if self._observed and self.connected:
             self.flush_observed()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,3 +80,38 @@ def test_two_threads_draining_the_observed_lookups_lose_none_and_raise_nothing(
     assert errors == []
     sent = [k for lookups, _ in conn.posted for k in lookups]
     assert sorted(sent) == [[i.to_bytes(8, "big")] for i in range(3 * per_thread)]
+
+
+def test_the_reporter_reports_a_lone_lookup_soon_then_sleeps_until_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In an engine's process a thread that wakes every few ms takes the GIL from
+    the engine's step: with nothing queued the reporter must not run at all."""
+    monkeypatch.setattr(scheduler_module, "Connection", FakeConnection)
+    s = Scheduler("p", Layout("m", "bfloat16", 16, 1, False, 256), engine_id="e", use_table=False)
+    conn = s._conn
+    assert isinstance(conn, FakeConnection)
+    flushes = 0
+    real_flush = s.flush_observed
+
+    def counted() -> int:
+        nonlocal flushes
+        flushes += 1
+        return real_flush()
+
+    monkeypatch.setattr(s, "flush_observed", counted)
+    try:
+        for n in range(2):
+            s._observe([n.to_bytes(8, "big")], 1)
+            deadline = time.monotonic() + 2.0
+            while len(conn.posted) <= n and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert len(conn.posted) == n + 1  # reported without another lookup
+            before = flushes
+            time.sleep(20 * scheduler_module.OBSERVE_EVERY_S)
+            assert flushes == before  # idle: the thread did not wake
+    finally:
+        t0 = time.monotonic()
+        s.close()
+        assert time.monotonic() - t0 < 1.0  # the sleeping reporter stops at once
+    assert s._reporter is not None and not s._reporter.is_alive()

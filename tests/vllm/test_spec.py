@@ -385,3 +385,28 @@ def test_with_the_ready_table_lookups_cost_no_round_trip_and_the_load_pins() -> 
         assert worker.take_load_errors() == {11, 12, 13}
         manager.shutdown()
         worker.shutdown()
+
+
+def test_the_connector_names_the_core_vllms_cpu_build_reserves_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU build reserves a core a rank more for any KV connector; on a host
+    with no more cores than that it reserves none (decode steps slower): a
+    warning with the variable that fixes it, nothing once it is set."""
+    import logging
+    import os
+    from types import SimpleNamespace
+
+    from kvd_client.vllm.connector import RESERVED_CPU_ENV, reserved_cores_note
+
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=1, world_size=1))
+    monkeypatch.delenv(RESERVED_CPU_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    note = reserved_cores_note(vllm_config)
+    assert note is not None and note[0] == logging.WARNING
+    assert f"{RESERVED_CPU_ENV}=1" in note[1] and "with 2 cores" in note[1]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    note = reserved_cores_note(vllm_config)
+    assert note is not None and note[0] == logging.INFO and f"{RESERVED_CPU_ENV}=1" in note[1]
+    monkeypatch.setenv(RESERVED_CPU_ENV, "1")
+    assert reserved_cores_note(vllm_config) is None

@@ -119,6 +119,42 @@ def weights_fingerprint(vllm_config: Any) -> str:
     return ";".join(parts)
 
 
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def reserved_cores_note(vllm_config: Any) -> tuple[int, str] | None:
+    """On vLLM's CPU build, what to tell the operator about the core vLLM reserves for
+    a KV connector: (log level, line), or None (another platform, or the variable
+    set). vLLM 0.32's CPU executor reserves one core a rank for its scheduler, and
+    one more a rank when any KV connector is configured (for NIXL's transfers;
+    `ompmultiprocessing.py`). kvd copies on the worker's own thread and its daemon
+    is another process: that core idles. Where the host has no more cores than
+    that, vLLM reserves none at all and its OpenMP threads share the scheduler's
+    core: a decode step 1.2 to 1.4x as long on 2 cores (`kvd bench peers`)."""
+    if RESERVED_CPU_ENV in os.environ:
+        return None
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+    except Exception:  # no platform to ask: say nothing rather than guess
+        return None
+    parallel = vllm_config.parallel_config
+    ranks = int(getattr(parallel, "local_world_size", 0) or parallel.world_size)
+    cores = len(os.sched_getaffinity(0))
+    line = (
+        f"vLLM's CPU build reserves {ranks} more core(s) for any KV connector, which kvd "
+        f"does not use; set {RESERVED_CPU_ENV}={ranks} to give them to the model"
+    )
+    if cores <= 2 * ranks:
+        return logging.WARNING, (
+            f"{line}: with {cores} cores vLLM now reserves none, and its threads share "
+            "the scheduler's core (decode steps 1.2 to 1.4x as long)"
+        )
+    return logging.INFO, line
+
+
 @dataclass
 class KvdConnectorMetadata(OffloadingConnectorMetadata):
     """vLLM's per-step metadata, and the scheduler side's `StepNotes` for the workers."""
@@ -170,6 +206,9 @@ class KvdOffloadingConnector(OffloadingConnector):
             )
         super().__init__(vllm_config, role, kv_cache_config)
         policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+        note = reserved_cores_note(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        if note is not None:
+            log.log(*note)
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             log.warning(
                 "kv_load_failure_policy is %r: a load kvd cannot serve fails its request; "

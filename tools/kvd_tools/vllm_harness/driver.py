@@ -113,6 +113,10 @@ class EngineProcess:
         environ = {
             **os.environ,
             "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto",
+            # vLLM's CPU build reserves one more core a rank for any KV connector (for
+            # NIXL); on 2 cores that leaves its scheduler none. Every engine here,
+            # with a connector or without, gets vLLM's own layout (docs/vllm.md).
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", str(tp)),
             # vLLM logs to stdout by default, from the engine core's process too:
             # a warning could land inside a reply line. Its logs go to the log file.
             "VLLM_LOGGING_STREAM": "ext://sys.stderr",
