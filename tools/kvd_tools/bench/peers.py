@@ -9,7 +9,9 @@ all three; each round draws fresh prompts (`peers_rows.Workload`). Per
 system and round, two engine processes:
 
 1. a large engine: `ttft_cached` (each prompt length stored once, then served
-   `--samples` times after `reset_prefix_cache()`: TTFT from the cache) and
+   `--samples` times after `reset_prefix_cache()`: TTFT from the cache),
+   `ttft_vllm_cache` (the same prompt from vLLM's own prefix cache: the floor
+   for any connector, no copy at all) and
    `decode_step` (ms per output token of a 128-token prompt, from vLLM's own
    first and last token timestamps);
 2. a new engine whose own cache is small (`--gpu-blocks`): `ttft_new_engine`
@@ -277,6 +279,12 @@ def first_engine(
             served = hits(proc, above=before if system != "none" else None) - before
             _progress(f"{system} ttft_cached {n}: {(_ms(got.ttfts) or 0):.0f} ms")
             out.append(got.sample(r, system, "ttft_cached", n, hit_rate=served / (samples * n)))
+            # The floor for any connector: the prompt from vLLM's own prefix cache, no
+            # copy at all (its blocks are cached since the request above).
+            floor = Served()
+            for _ in range(args.samples):
+                floor.ttfts.append(ask(proc, prompt, 1).ttft)
+            out.append(floor.sample(r, system, "ttft_vllm_cache", n))
         got = Served()
         before = hits(proc)
         for prompt in work.decode:
