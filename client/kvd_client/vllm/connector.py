@@ -130,7 +130,7 @@ def reserved_cores_note(vllm_config: Any) -> tuple[int, str] | None:
     `ompmultiprocessing.py`). kvd copies on the worker's own thread and its daemon
     is another process: that core idles. Where the host has no more cores than
     that, vLLM reserves none at all and its OpenMP threads share the scheduler's
-    core: a decode step 1.2 to 1.4x as long on 2 cores (`kvd bench peers`)."""
+    core: a decode step 1.3x as long on 2 cores (`kvd bench peers`)."""
     if RESERVED_CPU_ENV in os.environ:
         return None
     try:
@@ -150,7 +150,7 @@ def reserved_cores_note(vllm_config: Any) -> tuple[int, str] | None:
     if cores <= 2 * ranks:
         return logging.WARNING, (
             f"{line}: with {cores} cores vLLM now reserves none, and its threads share "
-            "the scheduler's core (decode steps 1.2 to 1.4x as long)"
+            "the scheduler's core (decode steps up to 1.4x as long)"
         )
     return logging.INFO, line
 

@@ -2,7 +2,8 @@
 
 The same vLLM workload with kvd (a private daemon), with LMCache's MP server
 (`lmcache_server`, in LMCache's own venv) and with no connector at all, on
-`kvd bench vllm`'s Llama (`BENCH_LLAMA`, seeded weights, block size 32). The
+`kvd bench vllm`'s Llama (`BENCH_LLAMA`, seeded weights, block size 32; with
+`--model gemma3` its hybrid Gemma 3, `BENCH_GEMMA3`: six KV cache groups). The
 three systems alternate within each round (kvd, LMCache, none), one engine
 at a time and only that system's cache running, so that machine noise hits
 all three; each round draws fresh prompts (`peers_rows.Workload`). Per
@@ -10,8 +11,8 @@ system and round, two engine processes:
 
 1. a large engine: `ttft_cached` (each prompt length stored once, then served
    `--samples` times after `reset_prefix_cache()`: TTFT from the cache),
-   `ttft_vllm_cache` (the same prompt from vLLM's own prefix cache: the floor
-   for any connector, no copy at all) and
+   `ttft_vllm_cache` (the same prompt again without a reset: vLLM's own cache
+   holds all but its last block, which the connector serves) and
    `decode_step` (ms per output token of a 128-token prompt, from vLLM's own
    first and last token timestamps);
 2. a new engine whose own cache is small (`--gpu-blocks`): `ttft_new_engine`
@@ -59,7 +60,10 @@ from kvd_tools.vllm_harness.engine import BLOCK_SIZE, write_model
 
 HITS = "vllm:external_prefix_cache_hits"
 SETTLE_S = 30.0  # how long a stored prefix may take to be served from the cache
-TOKEN_BYTES = 4096  # BENCH_LLAMA's KV cache a token
+TOKEN_BYTES = 1024  # the least KV cache a token of one group: a BENCH_GEMMA3 layer's
+# Blocks vLLM's own cache holds beside `--gpu-blocks` of a prompt: Gemma 3's five
+# sliding-window groups each keep their window (512 tokens) and one block more.
+SLIDING_BLOCKS = {"llama": 0, "gemma3": 5 * (512 // BLOCK_SIZE + 1)}
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class Serving:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from kvd_tools.bench.vllm_bench import BENCH_LLAMA
+    from kvd_tools.bench.vllm_bench import BENCH_GEMMA3, BENCH_LLAMA
+
+    config = {"llama": BENCH_LLAMA, "gemma3": BENCH_GEMMA3}[args.model]
 
     venv = args.lmcache_venv or default_venv()
     why = missing(venv)
@@ -93,9 +99,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.hook_times is not None and "kvd" in systems:
         args.hook_times.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-peers-") as tmp:
-        model = write_model(Path(tmp) / "llama", BENCH_LLAMA)
+        model = write_model(Path(tmp) / args.model, config)
         for r in range(args.rounds):
-            work = Workload.draw(args, BENCH_LLAMA["vocab_size"], seed=1000 + r, trace=trace)
+            work = Workload.draw(args, config["vocab_size"], seed=1000 + r, trace=trace)
             check_sizes(args, work)
             for system in systems:
                 t0 = time.monotonic()
@@ -279,8 +285,11 @@ def first_engine(
             served = hits(proc, above=before if system != "none" else None) - before
             _progress(f"{system} ttft_cached {n}: {(_ms(got.ttfts) or 0):.0f} ms")
             out.append(got.sample(r, system, "ttft_cached", n, hit_rate=served / (samples * n)))
-            # The floor for any connector: the prompt from vLLM's own prefix cache, no
-            # copy at all (its blocks are cached since the request above).
+            # The same prompt again, no reset: vLLM's own cache holds every block but
+            # the last (vLLM computes at least one token, and its cache hits whole
+            # blocks), which a connector serves, so vLLM computes one token; with no
+            # connector it computes the last block's 32 tokens. What a full load
+            # costs a connector is its ttft_cached over this.
             floor = Served()
             for _ in range(args.samples):
                 floor.ttfts.append(ask(proc, prompt, 1).ttft)
@@ -301,7 +310,8 @@ def second_engine(
 ) -> list[Sample]:
     n = max(work.ttft)
     length = min(args.gpu_blocks * BLOCK_SIZE, max(n, work.longest_chat + args.max_tokens) + 64)
-    small = {"max_model_len": length, "num_gpu_blocks": args.gpu_blocks}
+    small = {"max_model_len": length,
+             "num_gpu_blocks": args.gpu_blocks + SLIDING_BLOCKS[args.model]}  # fmt: skip
     with engine(srv, model, **small) as proc:
         ask(proc, work.warmup[::-1], 1)  # not a prefix of anything stored
         before = hits(proc)

@@ -259,7 +259,8 @@ def summarize(table: list[dict[str, Any]]) -> list[str]:
                      if served.get(name) is not None and floor.get(name) is not None}  # fmt: skip
             if len(above) == 2:
                 lines.append(
-                    f"ttft_cached at {n} tokens over vLLM's own cache (the floor, no copy): "
+                    f"ttft_cached at {n} tokens over a request vLLM's own cache served but "
+                    f"its last block (what loading the rest costs): "
                     f"kvd +{above['kvd']:.1f} ms, LMCache +{above['lmcache']:.1f} ms"
                 )
         elif measure == "decode_step" and r["step_vs_none"] is not None:

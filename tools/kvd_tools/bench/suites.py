@@ -715,8 +715,16 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=272,
         metavar="N",
-        help="the new engine's own KV cache in 32-token blocks: the longest "
-        "prompt fits, the conversations do not (default: 272)",
+        help="the new engine's own KV cache in 32-token blocks of a prompt (gemma3: "
+        "and its sliding windows'): the longest prompt fits, the conversations do "
+        "not (default: 272)",
+    )
+    p.add_argument(
+        "--model",
+        choices=["llama", "gemma3"],
+        default="llama",
+        help="kvd bench vllm's Llama (one KV cache group), or its Gemma 3 (five "
+        "sliding-window layers to one full: six groups) (default: llama)",
     )
     p.add_argument(
         "--l1-gb",
