@@ -24,3 +24,25 @@ def test_the_summary_says_what_loading_a_whole_prompt_costs_each_cache() -> None
     assert any(
         line.startswith("ttft_cached at 8192 tokens: LMCache's TTFT is 1.29x") for line in lines
     )
+
+
+def test_without_lmcache_the_ratio_rows_keep_kvd_against_no_connector() -> None:
+    """LMCache refuses a hybrid model on its CPU path: its rows are missing, and
+    the ratio rows still say kvd against the no-connector engine."""
+    samples = [s for s in _round(0, 30.0, 0.0, 6000.0, 25.0) if s.system != "lmcache"]
+    samples.append(Sample(0, "kvd", "decode_step", 128, step_ms=11.0, tokens=[[1]]))
+    samples.append(Sample(0, "none", "decode_step", 128, step_ms=10.0, tokens=[[1]]))
+    table = rows(samples)
+    assert not [r for r in table if r["system"] == "lmcache"]
+    ratio = {r["measure"]: r for r in table if r["system"] == "ratio"}
+    assert ratio["ttft_cached"]["ttft_ms"] is None  # LMCache's over kvd's: no LMCache
+    assert round(ratio["ttft_cached"]["ttft_vs_none"], 3) == 0.005
+    assert round(ratio["decode_step"]["step_vs_none"], 3) == 1.1
+    assert ratio["decode_step"]["tokens_equal"] is True
+    samples += [Sample(0, name, "multi_turn", 2000, requests_per_s=rps, tokens=[[1]])
+                for name, rps in (("kvd", 1.5), ("none", 1.0))]  # fmt: skip
+    lines = summarize(rows(samples))
+    assert "decode step: kvd 1.10x the no-connector engine's (rounds 1.10 to 1.10; " \
+           "goal <= 1.05), LMCache did not run" in lines, lines  # fmt: skip
+    assert "multi_turn: kvd 1.50x the no-connector engine's requests/s (goal >= 1.2); " \
+           "LMCache did not run" in lines, lines  # fmt: skip

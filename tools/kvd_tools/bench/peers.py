@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not systems or set(systems) - set(SYSTEMS):
         raise SuiteError(f"--systems {args.systems!r}: a list of {', '.join(SYSTEMS)}")
     samples: list[Sample] = []
+    refused: dict[str, str] = {}  # system -> why its engine did not start
     trace = _trace(args)
     if args.hook_times is not None and "kvd" in systems:
         args.hook_times.mkdir(parents=True, exist_ok=True)
@@ -104,10 +105,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             work = Workload.draw(args, config["vocab_size"], seed=1000 + r, trace=trace)
             check_sizes(args, work)
             for system in systems:
+                if system in refused:
+                    continue
                 t0 = time.monotonic()
-                with serving(system, args, venv) as srv:
-                    samples += first_engine(r, system, srv, work, args, model)
-                    samples += second_engine(r, system, srv, work, args, model)
+                try:
+                    with serving(system, args, venv) as srv:
+                        got = first_engine(r, system, srv, work, args, model)
+                        got += second_engine(r, system, srv, work, args, model)
+                except EngineRefused as exc:
+                    if system != "lmcache":  # kvd and the baseline must run
+                        raise SuiteError(f"{system}'s engine did not start: {exc}") from exc
+                    refused[system] = str(exc)  # the same model and config each round
+                    _progress(f"{system} did not serve this model, left out: {exc}")
+                    continue
+                samples += got
                 _progress(f"round {r + 1}/{args.rounds} {system}: {time.monotonic() - t0:.0f} s")
     if args.hook_times is not None and "kvd" in systems:
         from kvd_tools.vllm_harness.hook_times import report
@@ -116,6 +127,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             _progress(f"kvd hooks: {line}")
     if args.dump is not None:  # every sample, tokens included, to see where tokens part
         args.dump.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
+    for system, why in refused.items():
+        print(f"kvd bench peers: {system} left out: {why}", file=sys.stderr)
     return rows(samples)
 
 
@@ -161,10 +174,21 @@ def serving(system: str, args: argparse.Namespace, venv: Path) -> Iterator[Servi
         yield Serving({"kvd": None})
 
 
+class EngineRefused(Exception):
+    """A system's engine did not start on this model: its last error line."""
+
+
 @contextlib.contextmanager
 def engine(srv: Serving, model: str, **config: Any) -> Iterator[EngineProcess]:
     t0 = time.monotonic()
-    proc = EngineProcess({"model": model, **srv.config, **config}, env=srv.env, python=srv.python)
+    try:
+        proc = EngineProcess(
+            {"model": model, **srv.config, **config}, env=srv.env, python=srv.python
+        )
+    except RuntimeError as exc:  # "engine exited with N:" and vLLM's log tail
+        causes = [line.strip() for line in str(exc).splitlines()
+                  if "Error:" in line and "initialization failed" not in line]  # fmt: skip
+        raise EngineRefused(causes[-1] if causes else str(exc)[-300:]) from exc
     _progress(f"engine started in {time.monotonic() - t0:.0f} s")
     try:
         yield proc

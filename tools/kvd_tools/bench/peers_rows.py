@@ -166,13 +166,24 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 # The ratio row's figures, as SPEC section 10 defines them: above 1, kvd is ahead;
 # `step_vs_none` is kvd's step over the no-connector engine's (its goal: <= 1.05).
+def _of(samples: dict[str, Sample], system: str, figure: str) -> float | None:
+    """A system's figure in one round; None where the system did not run (LMCache
+    refuses a hybrid model on its CPU path: the kvd-over-none ratios remain)."""
+    sample = samples.get(system)
+    return getattr(sample, figure) if sample is not None else None
+
+
 RATIOS: dict[str, Callable[[dict[str, Sample]], float | None]] = {
-    "ttft_ms": lambda s: _ratio(s["lmcache"].ttft_ms, s["kvd"].ttft_ms),
-    "step_ms": lambda s: _ratio(s["lmcache"].step_ms, s["kvd"].step_ms),
-    "requests_per_s": lambda s: _ratio(s["kvd"].requests_per_s, s["lmcache"].requests_per_s),
-    "step_vs_none": lambda s: _ratio(s["kvd"].step_ms, s["none"].step_ms),
-    "ttft_vs_none": lambda s: _ratio(s["kvd"].ttft_ms, s["none"].ttft_ms),
-    "rps_vs_none": lambda s: _ratio(s["kvd"].requests_per_s, s["none"].requests_per_s),
+    "ttft_ms": lambda s: _ratio(_of(s, "lmcache", "ttft_ms"), _of(s, "kvd", "ttft_ms")),
+    "step_ms": lambda s: _ratio(_of(s, "lmcache", "step_ms"), _of(s, "kvd", "step_ms")),
+    "requests_per_s": lambda s: _ratio(
+        _of(s, "kvd", "requests_per_s"), _of(s, "lmcache", "requests_per_s")
+    ),
+    "step_vs_none": lambda s: _ratio(_of(s, "kvd", "step_ms"), _of(s, "none", "step_ms")),
+    "ttft_vs_none": lambda s: _ratio(_of(s, "kvd", "ttft_ms"), _of(s, "none", "ttft_ms")),
+    "rps_vs_none": lambda s: _ratio(
+        _of(s, "kvd", "requests_per_s"), _of(s, "none", "requests_per_s")
+    ),
 }
 
 
@@ -211,10 +222,13 @@ def rows(samples: list[Sample]) -> list[dict[str, Any]]:
                 "spread_min": min(figures) if figures else None,
                 "spread_max": max(figures) if figures else None,
             })  # fmt: skip
-        common = set.intersection(*(set(systems.get(name, {})) for name in SYSTEMS))
+        # Rounds with kvd and the no-connector engine; LMCache's where it ran.
+        common = set(systems.get("kvd", {})) & set(reference)
         if not common:
             continue
-        per_round = {name: [fn({n: systems[n][r] for n in SYSTEMS}) for r in sorted(common)]
+        present = [n for n in SYSTEMS if n in systems]
+        per_round = {name: [fn({n: systems[n][r] for n in present if r in systems[n]})
+                            for r in sorted(common)]
                      for name, fn in RATIOS.items()}  # fmt: skip
         spread_of = "step_vs_none" if measure == "decode_step" else top
         spread = [v for v in per_round[spread_of] if v is not None]
@@ -227,7 +241,8 @@ def rows(samples: list[Sample]) -> list[dict[str, Any]]:
             "hit_rate": None,
             # kvd's and LMCache's tokens both equal to the no-connector engine's
             "tokens_equal": all(matches(systems[n][r], systems["none"][r])
-                                for n in ("kvd", "lmcache") for r in common),
+                                for n in ("kvd", "lmcache") for r in common
+                                if r in systems.get(n, {})),
             "step_vs_none": _median(list(per_round["step_vs_none"])),
             "ttft_vs_none": _median(list(per_round["ttft_vs_none"])),
             "rps_vs_none": _median(list(per_round["rps_vs_none"])),
@@ -266,8 +281,17 @@ def summarize(table: list[dict[str, Any]]) -> list[str]:
         elif measure == "decode_step" and r["step_vs_none"] is not None:
             lines.append(
                 f"decode step: kvd {r['step_vs_none']:.2f}x the no-connector engine's (rounds "
-                f"{r['spread_min']:.2f} to {r['spread_max']:.2f}; goal <= 1.05), LMCache's "
-                f"{(r['step_ms'] or 0) * r['step_vs_none']:.2f}x"
+                f"{r['spread_min']:.2f} to {r['spread_max']:.2f}; goal <= 1.05), "
+                + (
+                    f"LMCache's {r['step_ms'] * r['step_vs_none']:.2f}x"
+                    if r["step_ms"] is not None
+                    else "LMCache did not run"
+                )
+            )
+        elif measure in SERVING and r["requests_per_s"] is None and r["rps_vs_none"]:
+            lines.append(
+                f"{measure}: kvd {r['rps_vs_none']:.2f}x the no-connector engine's "
+                "requests/s (goal >= 1.2); LMCache did not run"
             )
         elif measure in SERVING and r["requests_per_s"] is not None:
             lines.append(
