@@ -397,16 +397,23 @@ def test_the_connector_names_the_core_vllms_cpu_build_reserves_for_it(
     import os
     from types import SimpleNamespace
 
+    from vllm.platforms import current_platform
+
     from kvd_client.vllm.connector import RESERVED_CPU_ENV, reserved_cores_note
 
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(local_world_size=1, world_size=1))
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)  # also on a GPU build
     monkeypatch.delenv(RESERVED_CPU_ENV, raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     note = reserved_cores_note(vllm_config)
     assert note is not None and note[0] == logging.WARNING
-    assert f"{RESERVED_CPU_ENV}=1" in note[1] and "with 2 cores" in note[1]
+    assert f"{RESERVED_CPU_ENV}=1" in note[1] and "With 2 CPUs" in note[1]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
     note = reserved_cores_note(vllm_config)
     assert note is not None and note[0] == logging.INFO and f"{RESERVED_CPU_ENV}=1" in note[1]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # bound by hand: nothing reserved
+    assert reserved_cores_note(vllm_config) is None
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
     monkeypatch.setenv(RESERVED_CPU_ENV, "1")
     assert reserved_cores_note(vllm_config) is None

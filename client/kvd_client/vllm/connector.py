@@ -124,33 +124,39 @@ RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 def reserved_cores_note(vllm_config: Any) -> tuple[int, str] | None:
     """On vLLM's CPU build, what to tell the operator about the core vLLM reserves for
-    a KV connector: (log level, line), or None (another platform, or the variable
-    set). vLLM 0.32's CPU executor reserves one core a rank for its scheduler, and
-    one more a rank when any KV connector is configured (for NIXL's transfers;
-    `ompmultiprocessing.py`). kvd copies on the worker's own thread and its daemon
-    is another process: that core idles. Where the host has no more cores than
-    that, vLLM reserves none at all and its OpenMP threads share the scheduler's
-    core: a decode step 1.3x as long on 2 cores (`kvd bench peers`)."""
+    a KV connector: (log level, line), or None (another platform, the variable set,
+    or OpenMP threads bound by hand, where vLLM reserves nothing). vLLM 0.32's CPU
+    executor, binding automatically, reserves one core a rank for its scheduler on
+    x86 and Arm, and one more a rank when any KV connector is configured (for
+    NIXL's transfers; `ompmultiprocessing.py`). kvd copies on the worker's own
+    thread and its daemon is another process: that core idles. Where the host has
+    no more cores than that, vLLM reserves none at all and its OpenMP threads share
+    the scheduler's core: a decode step 1.3x as long on 2 cores (`kvd bench peers`).
+    A hint, not vLLM's own count: vLLM counts physical cores of the ranks' NUMA
+    nodes, this the CPUs the process may run on."""
     if RESERVED_CPU_ENV in os.environ:
+        return None
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
         return None
     try:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
             return None
-    except Exception:  # no platform to ask: say nothing rather than guess
+        parallel = vllm_config.parallel_config
+        ranks = int(getattr(parallel, "local_world_size", 0) or parallel.world_size)
+        cpus = len(os.sched_getaffinity(0))
+    except Exception:  # nothing to ask: say nothing rather than guess
         return None
-    parallel = vllm_config.parallel_config
-    ranks = int(getattr(parallel, "local_world_size", 0) or parallel.world_size)
-    cores = len(os.sched_getaffinity(0))
     line = (
         f"vLLM's CPU build reserves {ranks} more core(s) for any KV connector, which kvd "
-        f"does not use; set {RESERVED_CPU_ENV}={ranks} to give them to the model"
+        f"does not use; set {RESERVED_CPU_ENV}={ranks} to give them to the model "
+        "(vLLM then warns that it is below its minimum: expected)"
     )
-    if cores <= 2 * ranks:
+    if cpus <= 2 * ranks:
         return logging.WARNING, (
-            f"{line}: with {cores} cores vLLM now reserves none, and its threads share "
-            "the scheduler's core (decode steps up to 1.4x as long)"
+            f"{line}. With {cpus} CPUs vLLM likely reserves none now, and its threads "
+            "share the scheduler's core (decode steps up to 1.4x as long)"
         )
     return logging.INFO, line
 

@@ -713,11 +713,11 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gpu-blocks",
         type=positive_int,
-        default=272,
+        default=None,
         metavar="N",
         help="the new engine's own KV cache in 32-token blocks of a prompt (gemma3: "
         "and its sliding windows'): the longest prompt fits, the conversations do "
-        "not (default: 272)",
+        "not (default: 272, gemma3 1100)",
     )
     p.add_argument(
         "--model",
