@@ -60,6 +60,7 @@ class Connection:
         self._sock: zmq.Socket[bytes] | None = None
         self._lock = threading.RLock()
         self._next_req = 1
+        self._posted: dict[int, str] = {}  # req_id -> verb, of `post`s not answered yet
         self._last_sent = 0.0
         self._rcvtimeo = -1
         self._ready = False
@@ -138,6 +139,7 @@ class Connection:
 
     def _drop(self) -> None:
         self._ready = False
+        self._posted.clear()  # their replies, if any, went with the socket
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=0)
@@ -172,7 +174,19 @@ class Connection:
             except zmq.Again:
                 return False
             # Not `_last_sent`: heartbeats go on, so a dead daemon is noticed.
+            self._posted[req_id] = getattr(cls, "__name__", str(cls))
             return True
+
+    def _unclaimed(self, reply: p.Reply) -> None:
+        """A reply no caller waits for: to a `post` (its refusal is logged, as
+        nobody else sees it) or to a request that timed out (already reported)."""
+        verb = self._posted.pop(reply.req_id, None)
+        if verb is not None and isinstance(reply, p.Error):
+            err = error_for(reply.code, reply.detail)
+            # A lost session: the next request reconnects (and the daemon rolled
+            # the session's pins back); anything else is a refusal to see.
+            level = logging.DEBUG if err.code in _SESSION_LOST else logging.WARNING
+            log.log(level, "the kvd daemon refused a %s sent without waiting: %s", verb, err)
 
     def _request(self, msg: p.Request, timeout_ms: int) -> p.Reply:
         sock = self._sock
@@ -213,7 +227,8 @@ class Connection:
                 if self._ready:
                     self.acked = (self.tag, sent)
                 return reply
-            # else: a reply to a request that already timed out; skip it
+            else:
+                self._unclaimed(reply)
             wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
 
     def receive(self, timeout_ms: int) -> int:
@@ -226,6 +241,8 @@ class Connection:
                 reply = p.reply_decoder.decode(sock.recv())
                 if isinstance(reply, p.TransferJob):
                     self.pushed.append(reply)
+                else:
+                    self._unclaimed(reply)
                 timeout_ms = 0
         return len(self.pushed)
 

@@ -310,13 +310,21 @@ class Scheduler:
             raise
         return LoadStoreSpec(slots)
 
-    def touch(self, keys: Sequence[KeyLike]) -> None:
+    def touch(self, keys: Sequence[KeyLike], *, wait: bool = True) -> None:
+        """`wait=False`: sent without waiting for the reply (`_send`)."""
+        send = self._quiet if wait else self._send
         for part in _parts(as_keys(keys)):
-            self._quiet(p.Touch, part)
+            send(p.Touch, part)
 
-    def complete_load(self, keys: Sequence[KeyLike]) -> None:
+    def complete_load(self, keys: Sequence[KeyLike], *, wait: bool = True) -> None:
+        """Releases the load references of `keys`; raises what the daemon refuses
+        (`NOT_OWNER`, ...). `wait=False` (the vLLM connector, when a load is done):
+        sent without waiting for the reply, so the step goes on at once; the
+        daemon takes it before anything this session asks next, and a refusal is
+        logged (`_send`)."""
+        send = self._quiet if wait else self._send
         for part in _parts(as_keys(keys)):
-            self._quiet(p.CompleteLoad, part)
+            send(p.CompleteLoad, part)
 
     def prepare_store(self, keys: Sequence[KeyLike]) -> PrepareStoreOutput | None:
         """Allocates slots; `None` when nothing fits or the daemon is unreachable.
@@ -352,6 +360,16 @@ class Scheduler:
         """Whether the daemon took the completion (False when disconnected: the
         daemon rolls the session's stores back, and the blocks never become ready)."""
         return all([self._quiet(p.CompleteStore, part, success) for part in _parts(as_keys(keys))])
+
+    def _send(self, cls: type, *args: object) -> bool:
+        """A request nothing waits on, sent without waiting for its reply (a
+        refusal is logged by the connection); a call when the socket's queue is
+        full, so it is never dropped."""
+        if not self.connected:
+            return False
+        if self._observed:  # in order, as `_call`
+            self.flush_observed()
+        return self._conn.post(cls, *args) or self._quiet(cls, *args)
 
     def _quiet(self, cls: type, *args: object) -> bool:
         # Disconnected: the daemon rolled the session back already; nothing to do.

@@ -245,6 +245,38 @@ def test_lookup_and_pin_pins_the_leading_hits_in_one_round_trip(daemon: DaemonPr
         assert pool_info(daemon, "pin").blocks_pinned == before
 
 
+def test_complete_load_without_waiting_releases_in_order_and_logs_a_refusal(
+    daemon: DaemonProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The vLLM connector releases a finished load's pins without waiting for the
+    reply (`wait=False`): the daemon takes it before the session's next request,
+    and a refusal, which nobody waits to see, is logged, not lost."""
+    small = Layout("m", "bfloat16", 16, 1, False, 4096)
+    with (
+        Scheduler("nowait", small, engine_id="a", endpoint=daemon.endpoint,
+                  capacity_bytes=8 * 4096) as a,  # fmt: skip
+        Scheduler("nowait", small, engine_id="b", endpoint=daemon.endpoint) as b,
+    ):
+        assert a.prepare_store(keys(4)) is not None
+        a.complete_store(keys(4))
+        before = pool_info(daemon, "nowait").blocks_pinned
+        a.prepare_load(keys(4))
+        assert pool_info(daemon, "nowait").blocks_pinned == before + 4
+        a.complete_load(keys(4), wait=False)
+        a.touch(keys(4), wait=False)
+        # The next request of the session: answered after the release.
+        assert a.prepare_load(keys(1)).slots
+        assert pool_info(daemon, "nowait").blocks_pinned == before + 1
+        a.complete_load(keys(1), wait=False)
+        with caplog.at_level("WARNING", logger="kvd_client"):
+            b.complete_load(keys(1), wait=False)  # not b's pin: NOT_OWNER, not raised
+            b.stats()  # reads the refusal
+        assert any("refused a CompleteLoad" in r.getMessage() and "NOT_OWNER" in
+                   r.getMessage().upper() for r in caplog.records), caplog.text  # fmt: skip
+        a.stats()
+        assert pool_info(daemon, "nowait").blocks_pinned == before
+
+
 def test_permissions(tmp_path: object) -> None:
     d = DaemonProcess(group="root").start()
     try:

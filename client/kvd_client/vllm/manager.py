@@ -407,7 +407,7 @@ class KvdOffloadingManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self._scheduler is not None:
             try:
-                self._scheduler.touch([bytes(k) for k in keys])
+                self._scheduler.touch([bytes(k) for k in keys], wait=False)
             except Exception as exc:  # the boundary: nothing from kvd reaches vLLM
                 self._failures.note("touch", exc, "skipped")
 
@@ -434,7 +434,7 @@ class KvdOffloadingManager(OffloadingManager):
         if not mine or self._scheduler is None:
             return
         try:
-            self._scheduler.complete_load(mine)
+            self._scheduler.complete_load(mine, wait=False)
         except Exception as exc:  # the boundary: a reset or a reconnect took the pins already
             log.debug("kvd complete_load skipped: %s", exc)
 
