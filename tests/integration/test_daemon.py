@@ -253,8 +253,9 @@ def test_complete_load_without_waiting_releases_in_order_and_logs_a_refusal(
     and a refusal, which nobody waits to see, is logged, not lost."""
     small = Layout("m", "bfloat16", 16, 1, False, 4096)
     with (
-        Scheduler("nowait", small, engine_id="a", endpoint=daemon.endpoint,
-                  capacity_bytes=8 * 4096) as a,  # fmt: skip
+        Scheduler(
+            "nowait", small, engine_id="a", endpoint=daemon.endpoint, capacity_bytes=8 * 4096
+        ) as a,  # fmt: skip
         Scheduler("nowait", small, engine_id="b", endpoint=daemon.endpoint) as b,
     ):
         assert a.prepare_store(keys(4)) is not None
