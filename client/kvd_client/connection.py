@@ -102,6 +102,9 @@ class Connection:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            # A send waits at most the timeout for room (the daemon gone or hung,
+            # the queue full): never longer than a reply would (SPEC 7).
+            sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
             sock.connect(self.endpoint)
             self._rcvtimeo = -1
             self._sock = sock
@@ -159,16 +162,22 @@ class Connection:
             return self._request(cls(self._take_id(), *args), self.timeout_ms)
 
     def post(self, cls: Callable[..., Any], *args: Any) -> bool:
-        """Sends `cls(req_id, *args)` without waiting: for reports that nothing waits
-        on. Its reply is skipped when the next call reads the socket. False when
-        not connected, or when the socket's queue is full (the report is dropped)."""
+        """Sends `cls(req_id, *args)` without waiting: for requests nothing waits on
+        (reports, releases). The daemon takes it before anything sent later on this
+        socket; its reply is read by the next call (a refusal is logged,
+        `_unclaimed`). True when sent, or when the socket it was meant for was
+        dropped meanwhile (what that session held went with it); False when not
+        connected, or when the socket's queue is full (nothing sent)."""
         with self._lock:
             req_id = self._take_id()
+            meant_for = self._sock
+        if meant_for is None:
+            return False
         frame = p.encoder.encode(cls(req_id, *args))  # outside the lock: it may be long
         with self._lock:
             sock = self._sock
-            if sock is None:
-                return False
+            if sock is not meant_for:
+                return True  # a reconnect: the new session must not get the old one's
             try:
                 sock.send(frame, zmq.NOBLOCK)
             except zmq.Again:
@@ -177,16 +186,20 @@ class Connection:
             self._posted[req_id] = getattr(cls, "__name__", str(cls))
             return True
 
-    def _unclaimed(self, reply: p.Reply) -> None:
+    def _unclaimed(self, reply: p.Reply) -> bool:
         """A reply no caller waits for: to a `post` (its refusal is logged, as
-        nobody else sees it) or to a request that timed out (already reported)."""
+        nobody else sees it) or to a request that timed out (already reported).
+        True when it says the session is lost."""
         verb = self._posted.pop(reply.req_id, None)
-        if verb is not None and isinstance(reply, p.Error):
-            err = error_for(reply.code, reply.detail)
-            # A lost session: the next request reconnects (and the daemon rolled
-            # the session's pins back); anything else is a refusal to see.
-            level = logging.DEBUG if err.code in _SESSION_LOST else logging.WARNING
-            log.log(level, "the kvd daemon refused a %s sent without waiting: %s", verb, err)
+        if verb is None or not isinstance(reply, p.Error):
+            return False
+        err = error_for(reply.code, reply.detail)
+        lost = err.code in _SESSION_LOST
+        # A lost session: the caller reconnects (the daemon rolled the session's
+        # pins back); anything else is a refusal to see.
+        log.log(logging.DEBUG if lost else logging.WARNING,
+                "the kvd daemon refused a %s sent without waiting: %s", verb, err)  # fmt: skip
+        return lost
 
     def _request(self, msg: p.Request, timeout_ms: int) -> p.Reply:
         sock = self._sock
@@ -194,7 +207,14 @@ class Connection:
             raise Unavailable(f"not connected to the kvd daemon at {self.endpoint}")
         frame = p.encoder.encode(msg)
         sent = time.monotonic()  # before the send: the daemon renews the lease later
-        sock.send(frame)
+        try:
+            sock.send(frame)  # waits up to SNDTIMEO while the socket's queue is full
+        except zmq.Again:
+            self._drop()
+            raise Unavailable(
+                f"the kvd daemon at {self.endpoint} takes no requests (queue full "
+                f"for {self.timeout_ms} ms)"
+            ) from None
         self._last_sent = sent
         deadline = sent + timeout_ms / 1000
         wait_ms = timeout_ms
@@ -241,8 +261,9 @@ class Connection:
                 reply = p.reply_decoder.decode(sock.recv())
                 if isinstance(reply, p.TransferJob):
                     self.pushed.append(reply)
-                else:
-                    self._unclaimed(reply)
+                elif self._unclaimed(reply):
+                    self._drop()  # the keeper reconnects
+                    break
                 timeout_ms = 0
         return len(self.pushed)
 

@@ -319,9 +319,9 @@ class Scheduler:
     def complete_load(self, keys: Sequence[KeyLike], *, wait: bool = True) -> None:
         """Releases the load references of `keys`; raises what the daemon refuses
         (`NOT_OWNER`, ...). `wait=False` (the vLLM connector, when a load is done):
-        sent without waiting for the reply, so the step goes on at once; the
-        daemon takes it before anything this session asks next, and a refusal is
-        logged (`_send`)."""
+        sent without waiting for the reply, so the step goes on at once; the daemon
+        takes it before anything this session asks next, and a refusal is logged,
+        not raised (`_send`)."""
         send = self._quiet if wait else self._send
         for part in _parts(as_keys(keys)):
             send(p.CompleteLoad, part)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import threading
 import time
 
 import pytest
@@ -276,6 +278,47 @@ def test_complete_load_without_waiting_releases_in_order_and_logs_a_refusal(
                    r.getMessage().upper() for r in caplog.records), caplog.text  # fmt: skip
         a.stats()
         assert pool_info(daemon, "nowait").blocks_pinned == before
+
+
+def test_a_release_the_daemon_cannot_take_never_blocks_the_engine() -> None:
+    """A stopped daemon: releases sent without waiting fill the socket's queue
+    (about a thousand), the one that finds it full goes as a call, which gives
+    up within the timeout (300 ms) and drops the session (the daemon rolls its
+    pins back), and the engine's thread goes on; the keeper's heartbeat, which
+    would notice later (a third of the 10 s lease), is not what ends it."""
+    with DaemonProcess(lease_ms="10000") as daemon:
+        _release_against_a_stopped_daemon(daemon)
+
+
+def _release_against_a_stopped_daemon(daemon: DaemonProcess) -> None:
+    small = Layout("m", "bfloat16", 16, 1, False, 4096)
+    with Scheduler("stuck", small, engine_id="a", endpoint=daemon.endpoint, timeout_ms=300,
+                   capacity_bytes=8 * 4096) as s:  # fmt: skip
+        assert s.prepare_store(keys(1)) is not None
+        s.complete_store(keys(1))
+        s.prepare_load(keys(1))
+        assert daemon.proc is not None
+        done: list[float] = []
+
+        def release() -> None:
+            t0 = time.monotonic()
+            while s.connected and time.monotonic() - t0 < 20:
+                s.complete_load(keys(1), wait=False)
+            done.append(time.monotonic() - t0)
+
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=release, daemon=True)
+            thread.start()
+            thread.join(timeout=40)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert done and done[0] < 2, f"releases held the engine's thread {done or 'forever'}"
+        assert not s.connected  # dropped; the keeper reconnects
+        deadline = time.monotonic() + 10
+        while not s.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.connected
 
 
 def test_permissions(tmp_path: object) -> None:

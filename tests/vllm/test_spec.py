@@ -306,6 +306,8 @@ def test_pins_start_at_the_first_key_vllm_asks_and_unloaded_ones_go_at_the_load(
         assert finish(worker, 1) == {1: True}
         assert tensor[9, 0].item() == 2
         manager.complete_load(KEYS[1:2], ctx)  # type: ignore[arg-type]
+        # Sent without waiting: the daemon has it before the session's next request.
+        assert manager._scheduler is not None and manager._scheduler.stats()
         assert pinned(d, spec.choice.name) == 0
         manager.shutdown()
         worker.shutdown()

@@ -402,7 +402,7 @@ class KvdOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         done = {bytes(k) for k in keys}
         for state in self._requests.get(req_context.req_id, _NO_GROUPS).values():
-            self._unpin(state, [k for k in state.pinned if k in done])
+            self._unpin(state, [k for k in state.pinned if k in done], wait=False)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self._scheduler is not None:
@@ -426,15 +426,16 @@ class KvdOffloadingManager(OffloadingManager):
         epoch, since = scheduler.alive_since()
         return epoch, since + scheduler.lease_s
 
-    def _unpin(self, state: _Request, keys: list[bytes]) -> None:
-        """Releases the pins of `keys`; those of an earlier session the daemon rolls back."""
+    def _unpin(self, state: _Request, keys: list[bytes], *, wait: bool = True) -> None:
+        """Releases the pins of `keys`; those of an earlier session the daemon rolls
+        back. `wait=False` (a load done, every step with a hit): not waited for."""
         mine = [k for k in keys if k in state.pinned and self._valid(state.pinned[k])]
         for key in keys:
             state.pinned.pop(key, None)
         if not mine or self._scheduler is None:
             return
         try:
-            self._scheduler.complete_load(mine, wait=False)
+            self._scheduler.complete_load(mine, wait=wait)
         except Exception as exc:  # the boundary: a reset or a reconnect took the pins already
             log.debug("kvd complete_load skipped: %s", exc)
 
