@@ -37,6 +37,7 @@ from kvd_client.vllm.manager import (
     KvdLoadStoreSpec,
     KvdOffloadingManager,
 )
+from kvd_client.vllm.spec import LOOKUP_TIMEOUT_MS
 from kvd_client.vllm.worker import IdleWorker, KvdOffloadingWorker
 from kvd_tools.launcher import DaemonProcess
 from kvd_tools.vllm_harness.driver import EngineProcess
@@ -468,6 +469,38 @@ def test_a_store_prepared_by_the_session_a_reconnect_opened_is_failed_not_left()
         finally:
             other.close()
             manager.shutdown()
+
+
+def test_a_finished_loads_release_and_touch_never_wait_for_the_daemon() -> None:
+    """vLLM's step goes on at once after a load: the manager releases its pins and
+    sends the touch without waiting for the daemon's reply (waiting, on a stopped
+    daemon, would hold the step for LOOKUP_TIMEOUT_MS); the daemon takes both once
+    it runs again."""
+    with DaemonProcess(lease_ms="10000") as d:
+        s, manager, worker, _ = plugin(d)
+        k = key(1)
+        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        store(manager, worker, 1, [0], out.store_spec)
+        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        ctx = registered(ReqContext("r"), [k])
+        assert manager.lookup(k, ctx) is LookupResult.HIT  # type: ignore[arg-type]
+        manager.prepare_load([k], ctx)  # type: ignore[list-item]
+        assert pinned(d, s.choice.name) == 1
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            manager.complete_load([k], ctx)  # type: ignore[list-item]
+            manager.touch([k], ctx)  # type: ignore[list-item]
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert took < LOOKUP_TIMEOUT_MS / 1000 / 5, f"the step waited {took:.3f} s"
+        wait_for("the release never reached the daemon", lambda: pinned(d, s.choice.name) == 0)
+        assert manager._scheduler is not None and manager._scheduler.connected
+        manager.shutdown()
+        worker.shutdown()
 
 
 @pytest.mark.parametrize("lease_ms", [200, 2000])
