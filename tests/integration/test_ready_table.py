@@ -278,6 +278,40 @@ def test_scheduler_lookups_from_the_table_match_the_daemon_and_are_reported() ->
         assert s.lookup(keys[:4]) == 0
 
 
+def test_a_store_of_keys_all_ready_is_answered_from_the_table() -> None:
+    """`prepare_store` of keys the table shows all ready stores nothing (SPEC: keys
+    present are skipped) and asks the daemon nothing: it answers with the daemon
+    stopped. A key not ready still goes to the daemon."""
+    with (
+        DaemonProcess(lease_ms="10000") as d,
+        Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint, capacity_bytes=64 * 4096) as s,
+    ):
+        keys = [key(i) for i in range(8)]
+        out = s.prepare_store(keys)
+        assert out is not None and list(out.keys_to_store) == keys
+        s.complete_store(keys[:6])
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            out = s.prepare_store(keys[:6])
+            took = time.monotonic() - t0
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        assert out is not None, "the store went to the stopped daemon"
+        assert (list(out.keys_to_store), out.store_spec.slots, list(out.evicted_keys)) == (
+            [],
+            [],
+            [],
+        )
+        assert took < 0.1 and s.connected
+        out = s.prepare_store([*keys[:6], key(100)])  # one key not ready: the daemon's answer
+        assert out is not None and list(out.keys_to_store) == [key(100)]
+        assert s.prepare_store(keys[5:7]) is not None  # one in flight: the daemon skips it
+        s.complete_store([key(100)])
+        assert s.lookup([*keys[:6], key(100)]) == 7
+
+
 def test_no_table_means_the_round_trip_and_the_same_answers() -> None:
     with (
         DaemonProcess(ready_tables="false") as d,
