@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvd_tools.bench.peers_rows import Sample, rows, summarize
+import itertools
+from types import SimpleNamespace
+
+from kvd_tools.bench.peers_rows import Sample, Workload, rows, summarize
 
 
 def _round(r: int, kvd: float, lmcache: float, none: float, floor: float) -> list[Sample]:
@@ -46,3 +49,21 @@ def test_without_lmcache_the_ratio_rows_keep_kvd_against_no_connector() -> None:
            "goal <= 1.05), LMCache did not run" in lines, lines  # fmt: skip
     assert "multi_turn: kvd 1.50x the no-connector engine's requests/s (goal >= 1.2); " \
            "LMCache did not run" in lines, lines  # fmt: skip
+
+
+def test_two_engines_turns_alternate_so_each_history_is_the_other_engines() -> None:
+    """`two_engines`: a conversation's next turn goes to the other engine and
+    extends the prompt that engine computed, so only a shared cache can serve it."""
+    args = SimpleNamespace(
+        system_tokens=64, conversations=4, turns=3, user_tokens=16, reply_tokens=8,
+        prompt_tokens=[128], decode_samples=1, trace_block_tokens=4,
+    )  # fmt: skip
+    work = Workload.draw(args, vocab=1000, seed=3)
+    assert len(work.chat2) == 4 * 3
+    engines = [e for e, _ in work.chat2]
+    assert engines.count(0) == engines.count(1) == 6  # the two share the load
+    for n in range(4):
+        turns = work.chat2[n::4]  # turn-major: conversation n's turns in order
+        for (e, prompt), (e_next, prompt_next) in itertools.pairwise(turns):
+            assert e_next != e
+            assert prompt_next[: len(prompt)] == prompt

@@ -22,8 +22,10 @@ system and round, two engine processes:
    (requests of the shared Mooncake trace, every `--trace-every`th, their
    prefix block ids mapped to tokens, `peers_rows.trace_prompts`);
 3. then a third engine beside it, the two at once: `two_engines` (other
-   conversations, alternate ones on each engine, both engines driven at the
-   same time: their prefixes meet only in the system's shared cache).
+   conversations, each one's turns alternating between the two engines, as
+   a router without prefix affinity sends them, both engines driven at the
+   same time: a turn's history was computed by the other engine, so it is
+   served from the system's shared cache or computed again).
 
 `hit_rate` is the share of prompt tokens vLLM took from the connector
 (`vllm:external_prefix_cache_hits`, which vLLM counts for any connector).
@@ -384,9 +386,10 @@ def two_engines(
     work: Workload,
     args: argparse.Namespace,
 ) -> Sample:
-    """Both engines at once, each its own conversations in order (alternate ones
-    of `chat2`): requests/s of the two over the wall-clock time, TTFT, and the
-    share of prompt tokens the connector served either."""
+    """Both engines at once, each its own turns in order (`chat2`: a conversation's
+    turns alternate between the engines): requests/s of the two over the
+    wall-clock time, TTFT, and the share of prompt tokens the connector served
+    either."""
     before = [hits(p) for p in procs]
     mine = [[q for e, q in work.chat2 if e == n] for n in (0, 1)]
 

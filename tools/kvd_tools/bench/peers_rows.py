@@ -59,10 +59,12 @@ class Workload:
             system = tokens(args.system_tokens)
             history = [list(system) for _ in range(args.conversations)]
             out = []
-            for _ in range(args.turns):
+            for turn in range(args.turns):
                 for n, conv in enumerate(history):
                     conv.extend(tokens(args.user_tokens))
-                    out.append((n % 2, list(conv)))
+                    # For `two_engines`: a conversation's turns alternate between the
+                    # engines, as a router without prefix affinity sends them.
+                    out.append(((n + turn) % 2, list(conv)))
                     conv.extend(tokens(args.reply_tokens))  # the scripted reply
             return out
 
