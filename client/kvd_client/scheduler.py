@@ -12,10 +12,12 @@ thread of its own without waiting for the reply), so the admission policy
 still learns. A table that cannot be mapped (an older daemon, another host,
 no permission), a reset racing the read, or `use_table=False` take the round
 trip. `prepare_load` is always a round trip, and authoritative: a block
-evicted since the lookup is refused there.
+evicted since the lookup is refused there. A `prepare_store` of keys the
+table shows all ready takes none either (the daemon would skip them all).
 
 When the daemon cannot be reached nothing raises into the engine's hot path:
-`lookup` answers 0 hits, `prepare_store` and `store` answer `None`, `touch`
+`lookup` answers 0 hits, `prepare_store` and `store` answer `None` (but a
+`prepare_store` the table answers, until it is stale), `touch`
 and the completions do nothing (the daemon already rolled the session back),
 and jobs in flight are reported failed by `finished()` so the engine
 recomputes. The keeper thread reconnects and re-attaches meanwhile.

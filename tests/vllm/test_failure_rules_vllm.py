@@ -503,6 +503,29 @@ def test_a_finished_loads_release_and_touch_never_wait_for_the_daemon() -> None:
         worker.shutdown()
 
 
+def test_a_new_engines_store_of_blocks_the_pool_has_is_not_a_skipped_store() -> None:
+    """A new engine (no round trip of its session answered yet) is offered blocks the
+    pool holds: the ready table answers that there is nothing to store, and vLLM is
+    told so, not that the store failed (which vLLM logs and asks again every step)."""
+    with DaemonProcess(lease_ms="10000") as d:
+        _, manager, worker, _ = plugin(d)
+        k = key(1)
+        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+        assert out is not None
+        store(manager, worker, 1, [0], out.store_spec)
+        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        _, fresh, fresh_worker, _ = plugin(d, engine_id="engine-1")
+        try:
+            again = fresh.prepare_store([k], ReqContext("w2"))  # type: ignore[list-item]
+            assert again is not None and list(again.keys_to_store) == []
+            assert fresh._counters._counts.get("stores_skipped", 0) == 0
+        finally:
+            fresh.shutdown()
+            fresh_worker.shutdown()
+            manager.shutdown()
+            worker.shutdown()
+
+
 @pytest.mark.parametrize("lease_ms", [200, 2000])
 def test_a_lookup_answers_retry_for_a_bounded_time(lease_ms: int) -> None:
     """Another engine's store that never completes (its scheduler stuck, its session

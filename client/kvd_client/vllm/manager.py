@@ -458,6 +458,10 @@ class KvdOffloadingManager(OffloadingManager):
         if out is None:
             self._counters.add("stores_skipped")
             return None
+        if not out.keys_to_store and not out.evicted_keys:
+            # All there already (often answered from the ready table, with no round
+            # trip): nothing held, nothing a reconnect could have taken.
+            return PrepareStoreOutput([], KvdLoadStoreSpec([], generation), [])
         if out.evicted_keys and self._events is not None:
             self._events.append(OffloadingEvent(list(out.evicted_keys), Medium.CPU, removed=True))
         epoch, deadline = self._alive_until(scheduler)
