@@ -93,6 +93,14 @@ def store(
     ferry(manager, worker)
 
 
+def stored(manager: KvdOffloadingManager, worker: KvdOffloadingWorker, k: bytes) -> None:
+    """`k` stored through the plug-in and ready, from device block 0."""
+    out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
+    assert out is not None
+    store(manager, worker, 1, [0], out.store_spec)
+    manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+
+
 def observer(d: DaemonProcess, s: KvdOffloadingSpec) -> Scheduler:
     """Another engine's scheduler on the same pool, asking the daemon (no table)."""
     return Scheduler(s.choice.name, s.choice.layout, engine_id="observer", endpoint=d.endpoint,
@@ -479,10 +487,7 @@ def test_a_finished_loads_release_and_touch_never_wait_for_the_daemon() -> None:
     with DaemonProcess(lease_ms="10000") as d:
         s, manager, worker, _ = plugin(d)
         k = key(1)
-        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
-        assert out is not None
-        store(manager, worker, 1, [0], out.store_spec)
-        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        stored(manager, worker, k)
         ctx = registered(ReqContext("r"), [k])
         assert manager.lookup(k, ctx) is LookupResult.HIT  # type: ignore[arg-type]
         manager.prepare_load([k], ctx)  # type: ignore[list-item]
@@ -510,10 +515,7 @@ def test_a_new_engines_store_of_blocks_the_pool_has_is_not_a_skipped_store() -> 
     with DaemonProcess(lease_ms="10000") as d:
         _, manager, worker, _ = plugin(d)
         k = key(1)
-        out = manager.prepare_store([k], ReqContext("w"))  # type: ignore[list-item]
-        assert out is not None
-        store(manager, worker, 1, [0], out.store_spec)
-        manager.complete_store([k], ReqContext("w"))  # type: ignore[list-item]
+        stored(manager, worker, k)
         _, fresh, fresh_worker, _ = plugin(d, engine_id="engine-1")
         try:
             again = fresh.prepare_store([k], ReqContext("w2"))  # type: ignore[list-item]
