@@ -24,8 +24,9 @@ system and round, two engine processes:
 3. then a third engine beside it, the two at once: `two_engines` (other
    conversations, each one's turns alternating between the two engines, as
    a router without prefix affinity sends them, both engines driven at the
-   same time: a turn's history was computed by the other engine, so it is
-   served from the system's shared cache or computed again).
+   same time: the turn before, the newest part of a turn's history, was
+   computed by the other engine, so it is served from the system's shared
+   cache or computed again).
 
 `hit_rate` is the share of prompt tokens vLLM took from the connector
 (`vllm:external_prefix_cache_hits`, which vLLM counts for any connector).
