@@ -50,7 +50,7 @@ python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)" 
 timeout 30 python3 - <<'EOF' 2>&1 | tee -a "$out/device.txt"
 import mmap, os, sys
 import torch
-from kvd_client.backends import cuda, make_backend
+from kvd_client.backends import host_pin, make_backend
 from kvd_client.geometry import Geometry
 
 geometry = Geometry.plan(slot_bytes=256 << 10, world_size=1, replicated=False,
@@ -59,8 +59,8 @@ kv = torch.zeros(geometry.num_blocks, 256 << 10, dtype=torch.uint8, device="cuda
 
 def pin(region, piece=64 << 30):
     """None if kvd's backend pinned `region` (in pieces of `piece` bytes), else why not."""
-    cuda._REFUSED.clear()
-    cuda.MAX_REGISTER_BYTES = piece
+    host_pin._REFUSED.clear()
+    host_pin.MAX_REGISTER_BYTES = piece
     why = None
     try:
         make_backend("cuda", kv, region, geometry, 0).close()

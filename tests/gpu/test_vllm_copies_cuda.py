@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from kvd_client import protocol as p
-from kvd_client.backends import cuda
+from kvd_client.backends import host_pin
 from kvd_client.vllm.copies import Copies
 
 pytestmark = [
@@ -110,7 +110,7 @@ def test_one_group_round_trips_bytes(
     """`piece_slots`: the pool registered in pieces of that many slots (0: in one, as
     under 64 GiB), so stretches of adjacent slots are cut where each piece ends."""
     if piece_slots:
-        monkeypatch.setattr(cuda, "MAX_REGISTER_BYTES", piece_slots * LAYERS * PAGE)
+        monkeypatch.setattr(host_pin, "MAX_REGISTER_BYTES", piece_slots * LAYERS * PAGE)
     tensors = canonical()
     copies = mapped(tensors, segment, 1, 1)
     try:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvd_client.backends import cuda
+from kvd_client.backends import cuda, host_pin
 from kvd_client.errors import KvdError
 
 
@@ -56,8 +56,8 @@ class StubRuntime:
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[StubRuntime]:
     stub = StubRuntime()
-    monkeypatch.setattr(cuda, "_cudart", lambda: stub)
-    monkeypatch.setattr(cuda, "_REFUSED", [])
+    monkeypatch.setattr(host_pin, "cudart", lambda: stub)
+    monkeypatch.setattr(host_pin, "_REFUSED", [])
     yield stub
 
 
@@ -66,24 +66,24 @@ def test_a_refused_registration_clears_the_cuda_error_and_raises(runtime: StubRu
     with pytest.raises(
         KvdError, match="cudaHostRegister of the pool failed at byte 0 of 4194304: cudaError 1"
     ):
-        cuda._register(1 << 20, 4 << 20, 4096)
+        host_pin.register(1 << 20, 4 << 20, 4096)
     assert runtime.pending == 0  # torch's next launch check finds nothing
     assert runtime.registered == []
 
 
 def test_a_refusal_is_kept_for_the_process(runtime: StubRuntime) -> None:
-    runtime.register_codes = [cuda._ALREADY_REGISTERED]
+    runtime.register_codes = [host_pin.ALREADY_REGISTERED]
     with pytest.raises(KvdError, match="already registered"):
-        cuda._register(1 << 20, 4 << 20, 4096)
+        host_pin.register(1 << 20, 4 << 20, 4096)
     with pytest.raises(KvdError, match="refused earlier in this process"):
-        cuda._register(8 << 20, 4 << 20, 4096)
+        host_pin.register(8 << 20, 4 << 20, 4096)
     assert runtime.calls == 1  # the driver was not asked again
     assert runtime.pending == 0
 
 
 def test_a_registration_and_its_undoing(runtime: StubRuntime) -> None:
-    pieces = cuda._register(1 << 20, 4 << 20, 4096)
-    cuda._unregister(pieces)
+    pieces = host_pin.register(1 << 20, 4 << 20, 4096)
+    host_pin.unregister(pieces)
     assert runtime.registered == [(1 << 20, 4 << 20)]  # under 64 GiB: one call
     assert runtime.unregistered == [1 << 20]
     assert runtime.pending == 0
@@ -91,7 +91,7 @@ def test_a_registration_and_its_undoing(runtime: StubRuntime) -> None:
 
 def test_a_failed_unregistration_is_cleared_not_raised(runtime: StubRuntime) -> None:
     runtime.unregister_code = 1
-    cuda._unregister([1 << 20, 2 << 20])  # close goes on, to every piece
+    host_pin.unregister([1 << 20, 2 << 20])  # close goes on, to every piece
     assert runtime.unregistered == [2 << 20, 1 << 20]
     assert runtime.pending == 0
 
@@ -100,14 +100,14 @@ def test_the_pool_is_registered_in_pieces_of_whole_rows(
     runtime: StubRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As vLLM does past 64 GiB; here with a limit of 1 MiB and 256 KiB rows."""
-    monkeypatch.setattr(cuda, "MAX_REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(host_pin, "MAX_REGISTER_BYTES", 1 << 20)
     base, row = 1 << 30, 256 << 10
-    pieces = cuda._register(base, 18 * row, row)
+    pieces = host_pin.register(base, 18 * row, row)
     assert runtime.registered == [(base + i * (1 << 20), 1 << 20) for i in range(4)] + [
         (base + (4 << 20), 2 * row)
     ]
     assert pieces == [base + i * (1 << 20) for i in range(5)]
-    cuda._unregister(pieces)
+    host_pin.unregister(pieces)
     assert runtime.unregistered == pieces[::-1]
 
 
@@ -118,9 +118,9 @@ def test_pieces_end_on_rows_and_pages_within_the_limit(
     """A row is a multiple of 256 bytes, not of a page: a piece ends where both
     do, so no page is in two registrations (the second would be refused)."""
     limit = 8 << 20
-    monkeypatch.setattr(cuda, "MAX_REGISTER_BYTES", limit)
+    monkeypatch.setattr(host_pin, "MAX_REGISTER_BYTES", limit)
     base, nbytes = 1 << 30, (3 * (limit // row) + 7) * row  # 4 pieces or more
-    cuda._register(base, nbytes, row)
+    host_pin.register(base, nbytes, row)
     assert len(runtime.registered) >= 4
     ends = [ptr - base + size for ptr, size in runtime.registered]
     assert ends[-1] == nbytes
@@ -132,25 +132,25 @@ def test_pieces_end_on_rows_and_pages_within_the_limit(
 def test_a_refused_piece_undoes_the_ones_before_it(
     runtime: StubRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cuda, "MAX_REGISTER_BYTES", 1 << 20)
+    monkeypatch.setattr(host_pin, "MAX_REGISTER_BYTES", 1 << 20)
     runtime.register_codes = [0, 0, 2]  # the third piece: cudaErrorMemoryAllocation
     with pytest.raises(KvdError, match=f"at byte {2 << 20} of {5 << 20}: cudaError 2"):
-        cuda._register(1 << 30, 5 << 20, 1 << 20)
+        host_pin.register(1 << 30, 5 << 20, 1 << 20)
     assert runtime.unregistered == [(1 << 30) + (1 << 20), 1 << 30]
     assert runtime.pending == 0
 
 
 def test_the_loaded_runtime_is_found_by_its_file_name() -> None:
-    assert cuda._loaded_library("libc") is not None  # libc.so.6, mapped in every process
-    assert cuda._loaded_library("libkvd-no-such-library") is None
+    assert host_pin.loaded_library("libc") is not None  # libc.so.6, mapped in every process
+    assert host_pin.loaded_library("libkvd-no-such-library") is None
 
 
 def test_no_loaded_cuda_runtime_is_a_kvd_error() -> None:
-    if cuda._loaded_library("libcudart") is not None:
+    if host_pin.loaded_library("libcudart") is not None:
         pytest.skip("a CUDA runtime is loaded here")
-    cuda._cudart.cache_clear()
+    host_pin.cudart.cache_clear()
     with pytest.raises(KvdError, match="no CUDA runtime"):
-        cuda._cudart()
+        host_pin.cudart()
 
 
 def test_stretches_are_cut_where_a_chunk_or_a_piece_ends() -> None:

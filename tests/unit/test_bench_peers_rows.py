@@ -29,6 +29,25 @@ def test_the_summary_says_what_loading_a_whole_prompt_costs_each_cache() -> None
     )
 
 
+def test_the_storing_prefill_is_compared_with_the_recompute_and_lmcaches() -> None:
+    """`ttft_store`: the request that computes a prompt and offers its blocks, per
+    round against the no-connector engine's recompute of the same prompt."""
+    samples = []
+    for r, (kvd, lmcache, none) in enumerate([(8100.0, 8300.0, 8000.0), (8200.0, 8100.0, 8000.0),
+                                              (8000.0, 8400.0, 8000.0)]):  # fmt: skip
+        for system, ms in (("kvd", kvd), ("lmcache", lmcache), ("none", none)):
+            samples.append(Sample(r, system, "ttft_store", 8192, ttft_ms=ms, tokens=[[1]]))
+    table = rows(samples)
+    ratio = [r for r in table if r["system"] == "ratio"]
+    assert len(ratio) == 1 and ratio[0]["measure"] == "ttft_store"
+    assert round(ratio[0]["ttft_vs_none"], 4) == round(8100.0 / 8000.0, 4)  # median of rounds
+    assert round(ratio[0]["ttft_ms"], 4) == round(8300.0 / 8100.0, 4)  # LMCache's over kvd's
+    line = next(x for x in summarize(table) if x.startswith("ttft_store"))
+    assert line.startswith("ttft_store at 8192 tokens (a prefill whose blocks are offered for "
+                           "storing): kvd 1.01x the no-connector engine's recompute, "
+                           "LMCache's 1.04x"), line  # fmt: skip
+
+
 def test_without_lmcache_the_ratio_rows_keep_kvd_against_no_connector() -> None:
     """LMCache refuses a hybrid model on its CPU path: its rows are missing, and
     the ratio rows still say kvd against the no-connector engine."""

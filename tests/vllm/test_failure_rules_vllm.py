@@ -521,6 +521,7 @@ def test_a_new_engines_store_of_blocks_the_pool_has_is_not_a_skipped_store() -> 
             again = fresh.prepare_store([k], ReqContext("w2"))  # type: ignore[list-item]
             assert again is not None and list(again.keys_to_store) == []
             assert fresh._counters._counts.get("stores_skipped", 0) == 0
+            assert fresh._counters._counts.get("stores_present") == 1  # and counted as such
         finally:
             fresh.shutdown()
             fresh_worker.shutdown()

@@ -28,34 +28,12 @@ A CUDA event per job tells `poll` and `wait` when it is done. With
 too: work queued there earlier (vLLM zeroing a block it reallocated) must not
 overwrite what the load brings.
 
-Backends over one region (the parts of slots holding several device blocks,
-`SlotLayout.of`) share its registration: the first registers it, the last
-to close unregisters it. It is registered in pieces of at most
-`MAX_REGISTER_BYTES` (64 GiB), each a whole number of rows and of pages, as
-vLLM registers its offload region (`MAX_HOST_REGISTER_CHUNK_BYTES = 64 *
-1024**3` and `pin_mmap_region` in `vllm/v1/kv_offload/cpu/gpu_worker.py`,
-"to avoid driver limits on large host allocations"); a piece refused undoes
-the ones before it. No memcpy crosses a piece: a stretch of adjacent pool
-blocks is cut where a piece ends, as it is where a staging chunk ends.
-
-A registration the driver refuses (a sandbox such as gVisor that cannot pin
-a shared mapping, a pool past what the driver will lock) raises KvdError:
-the vLLM worker logs "kvd offloading off" at its start, and every job after
-fails at once (a load recomputed, a store not completed; one log line a
-kind at most every 30 s, `kvd_client.vllm.boundary`). A failed
-`cudaHostRegister` leaves its error pending on the calling thread, and
-torch's next launch check (`cudaGetLastError` after each kernel) would
-report it as that kernel's failure: vLLM's next forward pass would crash
-the engine. So the failure is cleared at once with `cudaGetLastError`, as
-vLLM's own `host_register` does (`vllm/v1/kv_offload/cpu/host_register.py`).
-torch's `torch.cuda.cudart()` has `cudaHostRegister` but no
-`cudaGetLastError`, and the error must be cleared in the runtime that
-recorded it, so registering, unregistering and clearing all go through the
-CUDA runtime library torch loaded (found in `/proc/self/maps`, as vLLM's
-`find_loaded_library` finds it), called with ctypes. A refusal is kept for
-the process: later backends raise it again without asking the driver, so a
-worker that maps the pool again for each job does not pin (and unpin) up to
-the whole pool on every one.
+The region is pinned for DMA by `host_pin` (shared by the backends over
+it, in pieces; a refusal raises KvdError: the vLLM worker logs "kvd
+offloading off" at its start, and every job after fails at once, a load
+recomputed, a store not completed). No memcpy crosses a registration piece:
+a stretch of adjacent pool blocks is cut where a piece ends, as it is where
+a staging chunk ends.
 
 Why raise rather than copy through pageable memory, as vLLM falls back to
 (its copies "still work but may be slower"): whichever leaves less code that
@@ -73,24 +51,20 @@ is built, so this module imports on CPU-only hosts.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
-import math
-import mmap
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from kvd_client.backends import host_pin
 from kvd_client.backends.base import CopyJob, CopyResult, TransferBackend
 from kvd_client.backends.views import BlockViews, KvCaches, id_tensor
 from kvd_client.copy_plan import CopyPlan
-from kvd_client.errors import BadRequest, ErrorCode, KvdError
+from kvd_client.errors import BadRequest, KvdError
 from kvd_client.geometry import Geometry
 
 if TYPE_CHECKING:
@@ -98,82 +72,6 @@ if TYPE_CHECKING:
 
 NUM_STREAMS = 2
 STAGING_BYTES = 64 << 20
-_HOST_REGISTER_DEFAULT = 0
-_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
-MAX_REGISTER_BYTES = 64 << 30  # one cudaHostRegister call at most (module docstring)
-# (host pointer, bytes) -> (backends of this process holding that registration,
-# the addresses of its pieces)
-_PINNED: dict[tuple[int, int], tuple[int, list[int]]] = {}
-_PINNED_LOCK = threading.Lock()  # a worker's keeper thread builds backends too
-_REFUSED: list[str] = []  # why the driver refused a registration in this process
-
-
-def _loaded_library(prefix: str) -> str | None:
-    """The path of the loaded library `prefix`.so[...] (or `prefix`-<hash>.so), if any."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line[line.find("/") :].strip() if "/" in line else ""
-            if path.rsplit("/", 1)[-1].startswith((f"{prefix}.", f"{prefix}-")):
-                return path
-    return None
-
-
-@functools.cache
-def _cudart() -> Any:
-    """The CUDA runtime torch loaded, with the three calls kvd makes (module docstring)."""
-    path = _loaded_library("libcudart")
-    if path is None:
-        raise KvdError("no CUDA runtime (libcudart) is loaded here: cannot pin the pool",
-                       ErrorCode.INTERNAL)  # fmt: skip
-    lib = ctypes.CDLL(path)
-    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-    lib.cudaGetLastError.argtypes = []
-    for call in (lib.cudaHostRegister, lib.cudaHostUnregister, lib.cudaGetLastError):
-        call.restype = ctypes.c_int
-    return lib
-
-
-def _piece_bytes(row_bytes: int) -> int:
-    """Bytes of a registration piece: whole rows and whole pages (so no page is
-    in two pieces), at most `MAX_REGISTER_BYTES` unless one such unit is more."""
-    unit = math.lcm(row_bytes, mmap.PAGESIZE)
-    return max(1, MAX_REGISTER_BYTES // unit) * unit
-
-
-def _register(ptr: int, nbytes: int, row_bytes: int) -> list[int]:
-    """Registers `nbytes` at `ptr` as pinned memory, piece by piece (`_piece_bytes`);
-    the pieces' addresses. KvdError, with the CUDA error cleared and the pieces
-    before it undone, if the driver refuses one (now or earlier in this process)."""
-    if _REFUSED:
-        raise KvdError(f"{_REFUSED[0]} (refused earlier in this process)", ErrorCode.INTERNAL)
-    cudart = _cudart()
-    piece = _piece_bytes(row_bytes)
-    done: list[int] = []
-    for offset in range(0, nbytes, piece):
-        code = int(cudart.cudaHostRegister(ptr + offset, min(piece, nbytes - offset),
-                                           _HOST_REGISTER_DEFAULT))  # fmt: skip
-        if code == 0:
-            done.append(ptr + offset)
-            continue
-        cudart.cudaGetLastError()  # else torch's next launch check fails the next kernel
-        _unregister(done)
-        hint = " (already registered: close the other backend first)" * (
-            code == _ALREADY_REGISTERED
-        )
-        _REFUSED.append(f"cudaHostRegister of the pool failed at byte {offset} of {nbytes}: "
-                        f"cudaError {code}{hint}")  # fmt: skip
-        raise KvdError(_REFUSED[0], ErrorCode.INTERNAL)
-    return done
-
-
-def _unregister(pieces: list[int]) -> None:
-    """Unregisters the pieces `_register` pinned, last first; a failure is cleared,
-    not raised (close goes on)."""
-    cudart = _cudart()
-    for address in reversed(pieces):
-        if int(cudart.cudaHostUnregister(address)) != 0:
-            cudart.cudaGetLastError()
 
 
 # torch.cuda's Python helpers carry no annotations; these wrappers type them.
@@ -226,14 +124,11 @@ class CudaBackend(TransferBackend):
         self._loads_wait = loads_wait
         self._pin = (views.host_flat.data_ptr(), geometry.size_bytes)
         self._registered = False
-        with torch.cuda.device(device), _PINNED_LOCK:
-            holders, pieces = _PINNED.get(self._pin, (0, []))
-            if not holders:
-                pieces = _register(*self._pin, geometry.row_bytes)
-            _PINNED[self._pin] = (holders + 1, pieces)
+        with torch.cuda.device(device):
+            host_pin.hold(*self._pin, geometry.row_bytes)
             self._registered = True
         # Pool blocks a registration piece holds: no memcpy crosses a piece.
-        self._piece_rows = _piece_bytes(geometry.row_bytes) // geometry.row_bytes
+        self._piece_rows = host_pin.piece_bytes(geometry.row_bytes) // geometry.row_bytes
         with torch.cuda.device(device):
             try:
                 self._streams = [_new_stream(device) for _ in range(max(1, num_streams))]
@@ -337,12 +232,7 @@ class CudaBackend(TransferBackend):
         if not self._registered:
             return
         self._registered = False
-        with _PINNED_LOCK:
-            holders, pieces = _PINNED.pop(self._pin)
-            if holders > 1:
-                _PINNED[self._pin] = (holders - 1, pieces)
-            else:
-                _unregister(pieces)
+        host_pin.release(*self._pin)
 
     def _finish(self, result: CopyResult) -> None:
         self._done[result.job_id] = result

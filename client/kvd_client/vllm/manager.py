@@ -461,6 +461,7 @@ class KvdOffloadingManager(OffloadingManager):
         if not out.keys_to_store and not out.evicted_keys:
             # All there already (often answered from the ready table, with no round
             # trip): nothing held, nothing a reconnect could have taken.
+            self._counters.add("stores_present")
             return PrepareStoreOutput([], KvdLoadStoreSpec([], generation), [])
         if out.evicted_keys and self._events is not None:
             self._events.append(OffloadingEvent(list(out.evicted_keys), Medium.CPU, removed=True))

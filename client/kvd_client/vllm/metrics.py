@@ -26,6 +26,8 @@ COUNTERS: dict[str, str] = {
     "daemon_errors": "kvd calls that failed (daemon down, slow, refusing): misses, skipped stores.",
     "stores_skipped": "Store requests kvd did not take (no room, all pinned, daemon error).",
     "stored_keys": "Keys whose store vLLM completed into kvd.",
+    "stores_present": "Store requests kvd answered with nothing to store: every key in the "
+    "pool already (from the ready table, no round trip, where it shows them all ready).",
     "unservable_loads": "Loads kvd could no longer serve, handed to vLLM to recompute.",
     "stores_failed": "Stores completed as failed (a copy failed, refused past its deadline or "
     "cancelled): never ready.",

@@ -9,8 +9,10 @@ at a time and only that system's cache running, so that machine noise hits
 all three; each round draws fresh prompts (`peers_rows.Workload`). Per
 system and round, two engine processes:
 
-1. a large engine: `ttft_cached` (each prompt length stored once, then served
-   `--samples` times after `reset_prefix_cache()`: TTFT from the cache),
+1. a large engine: `ttft_store` (the TTFT of the request that computes a
+   prompt and offers its blocks to the connector: a prefill with stores; with
+   no connector the same recompute), `ttft_cached` (each prompt length stored
+   once, then served `--samples` times after `reset_prefix_cache()`: TTFT from the cache),
    `ttft_vllm_cache` (the same prompt again without a reset: vLLM's own cache
    holds all but its last block, which the connector serves) and
    `decode_step` (ms per output token of a 128-token prompt, from vLLM's own
@@ -313,18 +315,24 @@ def first_engine(
         for n, prompt in work.ttft.items():
             # No connector: one recompute, the baseline and the tokens to compare with.
             samples = args.samples if system != "none" else 1
+            store = Served()
             if system != "none":
-                ask(proc, prompt, 1)  # misses, and the connector stores it
+                store.add(ask(proc, prompt, 1))  # misses, and the connector stores it
                 settle(proc, prompt)
             got = Served()
             before = hits(proc)
             for _ in range(samples):
                 proc.reset_prefix_cache()  # vLLM's own cache is empty: the connector serves
                 one = ask(proc, prompt, 1)
+                if system == "none":  # its recompute is the storing prefill's baseline
+                    store.add(one)
                 if not got.tokens or one.tokens != got.tokens[0]:  # one entry if all agree
                     got.add(one)
                 else:
                     got.ttfts.append(one.ttft)
+            # The prefill that stored the prompt (a miss: every block computed and
+            # offered to the connector); with no connector, the same recompute.
+            out.append(store.sample(r, system, "ttft_store", n))
             served = hits(proc, above=before if system != "none" else None) - before
             _progress(f"{system} ttft_cached {n}: {(_ms(got.ttfts) or 0):.0f} ms")
             out.append(got.sample(r, system, "ttft_cached", n, hit_rate=served / (samples * n)))
