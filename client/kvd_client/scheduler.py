@@ -29,7 +29,6 @@ import collections
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Sequence
 
 from kvd_client import protocol as p
@@ -123,7 +122,6 @@ class Scheduler:
         self._conn.start()
 
     def _attach(self, conn: Connection) -> None:
-        sent = time.monotonic()
         reply = conn.call(p.Attach, self.pool, self.layout, self.capacity_bytes)
         assert isinstance(reply, p.Attached)
         if self.attached is not None and reply.generation != self.attached.generation:
@@ -137,8 +135,6 @@ class Scheduler:
         self._map_table(reply)
         self.epoch += 1
         conn.tag = self.epoch
-        # The daemon answered the new session's Attach: it was alive when it was sent.
-        conn.acked = (self.epoch, sent)
 
     def _map_table(self, reply: p.Attached) -> None:
         table = None

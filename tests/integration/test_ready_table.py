@@ -312,19 +312,6 @@ def test_a_store_of_keys_all_ready_is_answered_from_the_table() -> None:
         assert s.lookup([*keys[:6], key(100)]) == 7
 
 
-def test_a_new_session_is_alive_from_its_attach() -> None:
-    """The Attach answer renews the new session's lease (SPEC 7): the session is
-    alive since it was sent, before any other round trip (a store answered from
-    the table makes none), so the stores it prepares get a deadline at once."""
-    with DaemonProcess() as d:
-        t0 = time.monotonic()
-        with Scheduler("p", LAYOUT, engine_id="a", endpoint=d.endpoint,
-                       capacity_bytes=64 * 4096) as s:  # fmt: skip
-            t1 = time.monotonic()
-            epoch, since = s.alive_since()
-            assert epoch == s.epoch == 1 and t0 <= since <= t1
-
-
 def test_no_table_means_the_round_trip_and_the_same_answers() -> None:
     with (
         DaemonProcess(ready_tables="false") as d,

@@ -97,6 +97,9 @@ class KvdOffloadingManager(OffloadingManager):
         self._failures = FailureLog(log)
         self._counters = KvdCounters()
         self._lookups = Lookups(scheduler, window_groups, self._counters, self._failures)
+        # vLLM calls `lookup` once per key of every waiting request, every step: bound
+        # straight to `Lookups`, the call costs no frame of the manager's.
+        self.lookup = self._lookups.lookup  # type: ignore[method-assign]
         # What this engine stored and evicted, for vLLM's KV events; the daemon
         # publishes the whole pool's (every engine's) on its own socket.
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -113,7 +116,7 @@ class KvdOffloadingManager(OffloadingManager):
     # -- lookups and loads: `Lookups` --------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        return self._lookups.lookup(key, req_context)
+        return self._lookups.lookup(key, req_context)  # bound in __init__ in its place
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return self._lookups.prepare_load(keys, req_context)

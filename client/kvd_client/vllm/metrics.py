@@ -27,7 +27,8 @@ COUNTERS: dict[str, str] = {
     "stores_skipped": "Store requests kvd did not take (no room, all pinned, daemon error).",
     "stored_keys": "Keys whose store vLLM completed into kvd.",
     "stores_present": "Store requests kvd answered with nothing to store: every key in the "
-    "pool already (from the ready table, no round trip, where it shows them all ready).",
+    "pool already, ready or being stored (where the ready table shows them all ready, with "
+    "no round trip).",
     "unservable_loads": "Loads kvd could no longer serve, handed to vLLM to recompute.",
     "stores_failed": "Stores completed as failed (a copy failed, refused past its deadline or "
     "cancelled): never ready.",
