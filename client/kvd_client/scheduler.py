@@ -4,29 +4,27 @@
 return types; one round trip per batch) and adds `store`, `load` and
 `finished` for engines whose TP workers use `kvd_client.Worker`.
 
-`lookup` costs no round trip where the daemon publishes the pool's ready
-table (SPEC section 15) and this process can map it: it reads the table,
-and reports its lookups to the daemon in batches (`Observe`, one message
-per `OBSERVE_BATCH` lookups or `OBSERVE_EVERY_S`, encoded and sent by a
-thread of its own without waiting for the reply), so the admission policy
-still learns. A table that cannot be mapped (an older daemon, another host,
-no permission), a reset racing the read, or `use_table=False` take the round
-trip. `prepare_load` is always a round trip, and authoritative: a block
-evicted since the lookup is refused there. A `prepare_store` of keys the
-table shows all ready takes none either (the daemon would skip them all).
+`lookup` costs no round trip where the daemon publishes the pool's ready table
+(SPEC section 15) and this process can map it: it reads the table, and reports
+its lookups to the daemon in batches (`kvd_client.observe`), so the admission
+policy still learns. A table that cannot be mapped (an older daemon, another
+host, no permission), a reset racing the read, or `use_table=False` take the
+round trip. `prepare_load` is always a round trip, and authoritative: a block
+evicted since the lookup is refused there. A `prepare_store` of keys the table
+shows all ready takes none either (the daemon would skip them all).
 
 When the daemon cannot be reached nothing raises into the engine's hot path:
 `lookup` answers 0 hits, `prepare_store` and `store` answer `None` (but a
-`prepare_store` the table answers, until it is stale), `touch`
-and the completions do nothing (the daemon already rolled the session back),
-and jobs in flight are reported failed by `finished()` so the engine
-recomputes. The keeper thread reconnects and re-attaches meanwhile.
+`prepare_store` the table answers, until it is stale), `touch` and the
+completions do nothing (the daemon already rolled the session back), and jobs
+in flight are reported failed by `finished()` so the engine recomputes. The
+keeper thread reconnects and re-attaches meanwhile.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -34,38 +32,13 @@ from collections.abc import Sequence
 from kvd_client import protocol as p
 from kvd_client.connection import Connection
 from kvd_client.errors import KvdError, Unavailable
+from kvd_client.keys import PART_KEYS, KeyLike, as_keys, parts
+from kvd_client.observe import LookupReports
 from kvd_client.paths import default_endpoint, read_admin_token, runtime_dir_of
 from kvd_client.ready_table import MappedTable, TableChanged, supported
 from kvd_client.types import LoadStoreSpec, PrepareStoreOutput, StoreTicket
 
 log = logging.getLogger("kvd_client")
-KeyLike = bytes | int
-OBSERVE_BATCH = 64  # lookups answered from the table, reported in one message
-OBSERVE_EVERY_S = 0.005  # ... or at the first lookup this long after the last report
-# Keys a request carries at most: the daemon takes MAX_KEYS_PER_REQUEST, but one of
-# 8,192 is answered well within a client's timeout (a store's prepare costs about
-# 10 us a key), and other sessions wait no longer than that for the daemon's loop.
-# Longer lists go in several.
-PART_KEYS = 8_192
-
-
-def as_keys(keys: Sequence[KeyLike]) -> list[bytes]:
-    """Block hashes as bytes; ints are sent as 8-byte big-endian (SPEC section 3).
-
-    A list that starts with bytes is sent as it is (the hot path); the daemon's
-    schema rejects a wrong element with BAD_REQUEST.
-    """
-    if type(keys) is list and keys and type(keys[0]) is bytes:
-        return keys
-    return [
-        k if isinstance(k, bytes) else (k & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big") for k in keys
-    ]
-
-
-def _parts(keys: list[bytes]) -> list[list[bytes]]:
-    """`keys` in requests of at most PART_KEYS keys."""
-    n = PART_KEYS
-    return [keys] if len(keys) <= n else [keys[i : i + n] for i in range(0, len(keys), n)]
 
 
 class Scheduler:
@@ -86,19 +59,6 @@ class Scheduler:
         # mapped too, since a lookup may still be reading it when a reconnect swaps.
         self.table: MappedTable | None = None
         self._old_table: MappedTable | None = None
-        # Table lookups not reported yet, as (keys, hits); the reporter thread drains
-        # it OBSERVE_EVERY_S after the first one queued, or at once when OBSERVE_BATCH
-        # are waiting. With none queued it sleeps: in an engine's process a thread
-        # that wakes every few ms takes the GIL from the engine's step (on a 2-core
-        # host that cost a decode step about a tenth, `kvd bench peers`).
-        self._observed: collections.deque[tuple[list[bytes], int]] = collections.deque()
-        # Held while one thread drains `_observed` and posts it (the reporter and
-        # the engine's thread both flush): no IndexError, and batches go in order.
-        self._flush_lock = threading.Lock()
-        self._queued = threading.Event()  # set by a lookup queued
-        self._full = threading.Event()  # set when OBSERVE_BATCH are queued
-        self._stopping = threading.Event()
-        self._reporter: threading.Thread | None = None
         self.layout = layout
         self.engine_id = engine_id
         self.capacity_bytes = capacity_bytes
@@ -119,18 +79,15 @@ class Scheduler:
             on_connect=self._attach,
         )
         self._conn.on_disconnect = self._lose_jobs
+        self._observed = LookupReports(functools.partial(self._conn.post, p.Observe))
         self._conn.start()
 
     def _attach(self, conn: Connection) -> None:
         reply = conn.call(p.Attach, self.pool, self.layout, self.capacity_bytes)
         assert isinstance(reply, p.Attached)
         if self.attached is not None and reply.generation != self.attached.generation:
-            log.warning(
-                "kvd pool %s was re-created (generation %d -> %d); the cache is cold",
-                self.pool,
-                self.attached.generation,
-                reply.generation,
-            )
+            log.warning("kvd pool %s was re-created (generation %d -> %d); the cache is cold",
+                        self.pool, self.attached.generation, reply.generation)  # fmt: skip
         self.attached = reply
         self._map_table(reply)
         self.epoch += 1
@@ -199,7 +156,7 @@ class Scheduler:
             else:
                 attached = self.attached
                 if not (hits is not None and hits < len(ks) and attached and attached.remote):
-                    self._observe(ks, hits)
+                    self._observed.add(ks, hits)
                     return hits
                 # A miss where the daemon has a remote tier: it may fetch the rest.
         try:
@@ -232,7 +189,7 @@ class Scheduler:
             return reply.hits, reply.slots
         hits, slots = 0, list[int]()
         try:
-            for part in _parts(keys):
+            for part in parts(keys):
                 reply = self._call(p.Lookup, part, pin)
                 assert isinstance(reply, p.LookupResult)
                 if reply.hits is None:
@@ -253,49 +210,9 @@ class Scheduler:
             with contextlib.suppress(KvdError):
                 self.complete_load(keys)
 
-    def _observe(self, keys: list[bytes], hits: int | None) -> None:
-        """Queues a table lookup for the reporter thread (for the admission policy
-        and the daemon's lookup counters)."""
-        if len(keys) > p.MAX_KEYS_PER_REQUEST:  # what one Observe may carry; the rest goes
-            keys = keys[: p.MAX_KEYS_PER_REQUEST]
-            hits = min(hits or 0, p.MAX_KEYS_PER_REQUEST)
-        self._observed.append((keys, hits or 0))
-        if self._reporter is None:
-            self._reporter = threading.Thread(target=self._report, name="kvd-observe", daemon=True)
-            self._reporter.start()
-        self._queued.set()
-        if len(self._observed) >= OBSERVE_BATCH:
-            self._full.set()
-
-    def _report(self) -> None:
-        while not self._stopping.is_set():
-            self._queued.wait()  # no wake-ups while nothing is queued
-            if self._stopping.is_set():
-                return
-            self._full.wait(OBSERVE_EVERY_S)  # more lookups of the same step join
-            # Cleared before draining: a lookup queued after the drain sets it again.
-            self._queued.clear()
-            self._full.clear()
-            self.flush_observed()
-
     def flush_observed(self) -> int:
-        """Sends the table lookups not reported yet (the reporter thread does this
-        every few ms; this is for shutdown and tests). Not waited for: the daemon
-        has them once it has read them. Returns how many were sent."""
-        sent = 0
-        with self._flush_lock:
-            while self._observed:
-                batch: list[tuple[list[bytes], int]] = []
-                num_keys = 0  # at most MAX_KEYS_PER_REQUEST keys per frame, as the daemon wants
-                while self._observed and len(batch) < p.MAX_OBSERVED_LOOKUPS:
-                    if batch and num_keys + len(self._observed[0][0]) > p.MAX_KEYS_PER_REQUEST:
-                        break
-                    keys, hits = self._observed.popleft()
-                    batch.append((keys, hits))
-                    num_keys += len(keys)
-                if self._conn.post(p.Observe, [k for k, _ in batch], [h for _, h in batch]):
-                    sent += len(batch)
-        return sent
+        """Sends the table lookups not reported yet (as its thread does); how many."""
+        return self._observed.flush()
 
     def prepare_load(self, keys: Sequence[KeyLike]) -> LoadStoreSpec:
         """Pins keys; raises `MissingKey`/`NotReady`, or `Unavailable` when disconnected.
@@ -303,7 +220,7 @@ class Scheduler:
         ks = as_keys(keys)
         slots: list[int] = []
         try:
-            for part in _parts(ks):
+            for part in parts(ks):
                 reply = self._call(p.PrepareLoad, part)
                 assert isinstance(reply, p.SlotsResult)
                 slots += reply.slots
@@ -315,7 +232,7 @@ class Scheduler:
     def touch(self, keys: Sequence[KeyLike], *, wait: bool = True) -> None:
         """`wait=False`: sent without waiting for the reply (`_send`)."""
         send = self._quiet if wait else self._send
-        for part in _parts(as_keys(keys)):
+        for part in parts(as_keys(keys)):
             send(p.Touch, part)
 
     def complete_load(self, keys: Sequence[KeyLike], *, wait: bool = True) -> None:
@@ -325,7 +242,7 @@ class Scheduler:
         takes it before anything this session asks next, and a refusal is logged,
         not raised (`_send`)."""
         send = self._quiet if wait else self._send
-        for part in _parts(as_keys(keys)):
+        for part in parts(as_keys(keys)):
             send(p.CompleteLoad, part)
 
     def prepare_store(self, keys: Sequence[KeyLike]) -> PrepareStoreOutput | None:
@@ -343,7 +260,7 @@ class Scheduler:
         evicted: list[bytes] = []
         fits = False
         try:
-            for part in _parts(ks):
+            for part in parts(ks):
                 reply = self._call(p.PrepareStore, part)
                 assert isinstance(reply, p.PrepareStoreResult)
                 if not reply.fits:
@@ -378,7 +295,7 @@ class Scheduler:
     def complete_store(self, keys: Sequence[KeyLike], success: bool = True) -> bool:
         """Whether the daemon took the completion (False when disconnected: the
         daemon rolls the session's stores back, and the blocks never become ready)."""
-        return all([self._quiet(p.CompleteStore, part, success) for part in _parts(as_keys(keys))])
+        return all([self._quiet(p.CompleteStore, part, success) for part in parts(as_keys(keys))])
 
     def _send(self, cls: type, *args: object) -> bool:
         """A request nothing waits on, sent without waiting for its reply (a
@@ -467,11 +384,7 @@ class Scheduler:
 
     def close(self) -> None:
         """Ends the session (the daemon rolls back what it still holds)."""
-        if self._reporter is not None:
-            self._stopping.set()
-            self._queued.set()
-            self._full.set()
-            self._reporter.join(timeout=5)
+        self._observed.stop()
         if self._observed and self.connected:
             self.flush_observed()
         self._conn.close()

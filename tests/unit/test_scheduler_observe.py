@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import kvd_client.scheduler as scheduler_module
-from kvd_client import Layout, Scheduler
+from kvd_client import Layout, Scheduler, observe
 from kvd_client import protocol as p
 
 
@@ -65,7 +65,7 @@ def test_two_threads_draining_the_observed_lookups_lose_none_and_raise_nothing(
     def engine(base: int) -> None:
         try:
             for i in range(per_thread):
-                s._observe([(base + i).to_bytes(8, "big")], i % 2)
+                s._observed.add([(base + i).to_bytes(8, "big")], i % 2)
                 if i % 3 == 0:
                     s.flush_observed()  # what `_call` does before a round trip
         except BaseException as exc:  # the test reports any
@@ -92,26 +92,26 @@ def test_the_reporter_reports_a_lone_lookup_soon_then_sleeps_until_the_next(
     conn = s._conn
     assert isinstance(conn, FakeConnection)
     flushes = 0
-    real_flush = s.flush_observed
+    real_flush = s._observed.flush
 
     def counted() -> int:
         nonlocal flushes
         flushes += 1
         return real_flush()
 
-    monkeypatch.setattr(s, "flush_observed", counted)
+    monkeypatch.setattr(s._observed, "flush", counted)  # what the reporter thread calls
     try:
         for n in range(2):
-            s._observe([n.to_bytes(8, "big")], 1)
+            s._observed.add([n.to_bytes(8, "big")], 1)
             deadline = time.monotonic() + 2.0
             while len(conn.posted) <= n and time.monotonic() < deadline:
                 time.sleep(0.001)
             assert len(conn.posted) == n + 1  # reported without another lookup
             before = flushes
-            time.sleep(20 * scheduler_module.OBSERVE_EVERY_S)
+            time.sleep(20 * observe.OBSERVE_EVERY_S)
             assert flushes == before  # idle: the thread did not wake
     finally:
         t0 = time.monotonic()
         s.close()
         assert time.monotonic() - t0 < 1.0  # the sleeping reporter stops at once
-    assert s._reporter is not None and not s._reporter.is_alive()
+    assert s._observed.thread is not None and not s._observed.thread.is_alive()
