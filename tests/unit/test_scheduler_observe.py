@@ -1,7 +1,7 @@
 """The table lookups a `Scheduler` reports (`Observe`), drained by two threads at once.
 
-`flush_observed` runs on the reporter thread and on the engine's thread (any
-call first reports what waits), so the queue it drains is shared: with a
+`LookupReports.flush` runs on the reporter thread and on the engine's thread
+(`Scheduler.flush_observed`: any call first reports what waits), so the queue it drains is shared: with a
 tiny switch interval the two interleave at every bytecode, and no lookup
 may be lost, sent twice, or raise into the engine (issue 24, finding 7).
 No daemon: the connection is a stand-in that records what was posted.
