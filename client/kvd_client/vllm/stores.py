@@ -15,7 +15,6 @@ workers were told, with a copy's margin), so no lookup waits on it.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -24,7 +23,6 @@ from kvd_client.scheduler import Scheduler
 from kvd_client.vllm.boundary import FailureLog
 from kvd_client.vllm.records import Store
 
-log = logging.getLogger("kvd_client.vllm")
 COPY_MARGIN_S = 1.0  # a copy started before its deadline has ended by this much after
 
 
