@@ -6,8 +6,8 @@ engine's config, a directory) gets kvd's connector and spec unchanged,
 except that every hook vLLM calls on the connector in its scheduler process
 and in its workers, and the worker's copies (`submit_store`,
 `submit_load`, which run on the step's thread), add their calls and
-seconds to a table that each process writes to `<dir>/<pid>.json` every
-`DUMP_EVERY` calls. `report` reads them back: microseconds a step, per
+seconds to a table that each process writes to `<dir>/<pid>.json` after
+`DUMP_EVERY` calls, between hooks. `report` reads them back: microseconds a step, per
 hook, for the scheduler side (a step = one `build_connector_meta`) and the
 workers (a step = one `start_load_kv`). Importing it patches the classes in
 the importing process, as `corrupt_loads` does; nothing outside the harness
@@ -42,6 +42,7 @@ WORKER_HOOKS = (
 COPIES = ("submit_store", "submit_load")
 _table: dict[str, list[float]] = {}  # name -> [calls, seconds]
 _calls = [0]
+_depth = [0]  # hooks running now: the copies run inside one
 
 
 def _dump() -> None:
@@ -55,14 +56,19 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        _depth[0] += 1
         try:
             return fn(*args, **kwargs)
         finally:
+            _depth[0] -= 1
             entry = _table.setdefault(name, [0, 0.0])
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
             _calls[0] += 1
-            if _calls[0] % DUMP_EVERY == 0:
+            # Written only between hooks: a dump inside a copy would count in the
+            # time of the hook that runs it (`start_load_kv`, `handle_preemptions`).
+            if _calls[0] >= DUMP_EVERY and _depth[0] == 0:
+                _calls[0] = 0
                 _dump()
 
     timed.__kvd_timed__ = True  # type: ignore[attr-defined]
