@@ -126,6 +126,8 @@ TIMEOUT_S = {"peers": 900, "vllm": 420, "e2e": 240, "throughput": 240, "soak": 1
 DEFAULT_TIMEOUT_S = 150
 GRACE_S = 30  # after SIGINT, for the bench's own cleanup
 TAG = "KVD_BENCH_QUICK_TAG"
+# Flags a quick run adds: peers runs kvd-off too (kvd's connector, no daemon).
+FLAGS = {"peers": ["--systems", "kvd,lmcache,none,kvd-off"]}
 
 
 def _tagged(tag: str) -> list[int]:
@@ -171,7 +173,17 @@ def run_quick(suite: str, json_path: Path, log_path: Path) -> tuple[int, str]:
     timeout = TIMEOUT_S.get(suite, DEFAULT_TIMEOUT_S)
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "bench", suite, "--quick", "--json", str(json_path)],
+            [
+                sys.executable,
+                "-m",
+                "kvd",
+                "bench",
+                suite,
+                "--quick",
+                "--json",
+                str(json_path),
+                *FLAGS.get(suite, []),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -309,6 +321,12 @@ def check_suite(suite: str, rows: list[dict[str, Any]]) -> None:
         stored = {r["system"]: r for r in rows if r["measure"] == "ttft_store"}  # the prefills
         assert all(stored[name]["ttft_ms"] > 0 for name in ("kvd", "lmcache", "none")), stored
         assert stored["ratio"]["ttft_vs_none"] > 0 and stored["ratio"]["lmcache_ttft_vs_none"] > 0
+        # kvd's connector with no daemon: every measure, the same tokens, nothing served.
+        off = [r for r in rows if r["system"] == "kvd-off"]
+        assert {r["measure"] for r in off} == set(MEASURES), rows
+        assert all(r["tokens_equal"] for r in off), off
+        assert all(not r["hit_rate"] for r in off), off
+        assert stored["ratio"]["off_ttft_vs_none"] > 0
 
 
 def _check_disk_tier(rows: list[dict[str, Any]]) -> None:

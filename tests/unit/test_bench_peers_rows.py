@@ -88,3 +88,32 @@ def test_two_engines_turns_alternate_so_each_history_is_the_other_engines() -> N
         for (e, prompt), (e_next, prompt_next) in itertools.pairwise(turns):
             assert e_next != e
             assert prompt_next[: len(prompt)] == prompt
+
+
+def test_kvd_off_is_the_baseline_for_what_kvds_own_work_costs() -> None:
+    """`kvd-off` (kvd's connector, no daemon): its own rows, and per round its
+    figure over the no-connector engine's beside kvd's, so that vLLM's layout
+    under an offloading connector is told from kvd's stores and loads."""
+    samples = []
+    for r, (kvd, off, none) in enumerate([(6800.0, 6500.0, 6600.0), (6500.0, 6400.0, 6300.0)]):
+        for system, ms in (("kvd", kvd), ("kvd-off", off), ("none", none)):
+            samples.append(Sample(r, system, "ttft_store", 8192, ttft_ms=ms, tokens=[[1]]))
+        for system, step in (("kvd", 10.0), ("kvd-off", 10.5 + r), ("none", 10.0)):
+            samples.append(Sample(r, system, "decode_step", 128, step_ms=step, tokens=[[1]]))
+    table = rows(samples)
+    off = [r for r in table if r["system"] == "kvd-off"]
+    assert [r["measure"] for r in off] == ["ttft_store", "decode_step"]
+    assert off[0]["tokens_equal"] is True and off[0]["ttft_ms"] == 6450.0
+    ratio = {r["measure"]: r for r in table if r["system"] == "ratio"}
+    want = (6500.0 / 6600.0 + 6400.0 / 6300.0) / 2  # the median of two rounds
+    assert round(ratio["ttft_store"]["off_ttft_vs_none"], 4) == round(want, 4)
+    assert ratio["decode_step"]["off_step_vs_none"] == 1.1  # 1.05 and 1.15
+    lines = summarize(table)
+    assert any(line.startswith("ttft_store") and line.endswith(
+        f"kvd's connector with no daemon {want:.2f}x") for line in lines), lines  # fmt: skip
+    assert any(line.startswith("decode step") and line.endswith(
+        "kvd's connector with no daemon 1.10x") for line in lines), lines  # fmt: skip
+    # Without it, nothing of it: the ratio rows hold None and the summary says nothing.
+    plain = rows([s for s in samples if s.system != "kvd-off"])
+    assert all(r.get("off_ttft_vs_none") is None for r in plain)
+    assert not any("no daemon" in line for line in summarize(plain))

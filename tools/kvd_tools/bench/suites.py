@@ -764,7 +764,9 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         "--systems",
         default="kvd,lmcache,none",
         metavar="S,...",
-        help="which systems run, in this order each round (default: kvd,lmcache,none)",
+        help="which systems run, in this order each round (default: kvd,lmcache,none); "
+        "kvd-off: kvd's connector with no daemon (vLLM's offloading KV layout and kvd's "
+        "hooks, nothing cached), the baseline for what kvd's own work costs",
     )
     p.add_argument(
         "--if-no-lmcache",
