@@ -237,8 +237,8 @@ def rows(samples: list[Sample]) -> list[dict[str, Any]]:
                 "spread_min": min(figures) if figures else None,
                 "spread_max": max(figures) if figures else None,
             })  # fmt: skip
-        # Rounds with kvd and the no-connector engine; LMCache's where it ran.
-        common = set(systems.get("kvd", {})) & set(reference)
+        # Rounds with kvd (or kvd-off) and the no-connector engine; LMCache's where it ran.
+        common = (set(systems.get("kvd", {})) | set(systems.get("kvd-off", {}))) & set(reference)
         if not common:
             continue
         present = [n for n in SYSTEMS if n in systems]
