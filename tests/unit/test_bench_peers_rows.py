@@ -122,3 +122,26 @@ def test_kvd_off_is_the_baseline_for_what_kvds_own_work_costs() -> None:
     plain = rows([s for s in samples if s.system != "kvd-off"])
     assert all(r.get("off_ttft_vs_none") is None for r in plain)
     assert not any("no daemon" in line for line in summarize(plain))
+
+
+def test_the_summary_says_where_each_caches_ttft_went() -> None:
+    """`wait_ms` (queued to scheduled: an asynchronous load's wait) and `forward_ms`
+    (scheduled to the first token), medians over the rounds, in the system rows
+    and the summary."""
+    samples = []
+    for r, (kvd_wait, lmcache_wait) in enumerate([(10.0, 30.0), (12.0, 29.0), (8.0, 31.0)]):
+        for system, wait, forward, ttft in (("kvd", kvd_wait, 19.0 + r, 33.0),
+                                            ("lmcache", lmcache_wait, 18.0, 52.0),
+                                            ("none", 0.1, 8000.0, 8000.0)):  # fmt: skip
+            samples.append(Sample(r, system, "ttft_new_engine", 8192, ttft_ms=ttft, tokens=[[1]],
+                                  wait_ms=wait, forward_ms=forward))  # fmt: skip
+    table = rows(samples)
+    kvd = next(x for x in table if x["system"] == "kvd")
+    assert (kvd["wait_ms"], kvd["forward_ms"]) == (10.0, 20.0)
+    line = next(x for x in summarize(table) if "where the TTFT went" in x)
+    assert line == ("ttft_new_engine at 8192 tokens, where the TTFT went (medians): queued to "
+                    "scheduled (the load's wait) kvd 10.0 ms, LMCache 30.0 ms; scheduled to the "
+                    "first token kvd 20.0 ms, LMCache 18.0 ms"), line  # fmt: skip
+    # Without LMCache's figures (it did not run) the summary leaves the line out.
+    alone = rows([s for s in samples if s.system != "lmcache"])
+    assert not [x for x in summarize(alone) if "where the TTFT went" in x]

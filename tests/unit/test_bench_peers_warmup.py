@@ -31,7 +31,7 @@ class Recorder:
         (prompt,) = cmd["prompts"]
         self.prompts.append(prompt)
         n = cmd["max_tokens"]
-        return {"tokens": [[1] * n], "timings": [[0.01, 0.005 if n > 1 else None]],
+        return {"tokens": [[1] * n], "timings": [[0.01, 0.005 if n > 1 else None, 0.004, 0.005]],
                 "seconds": 0.02, "logprobs": [[[[1, -0.1]]] * n]}  # fmt: skip
 
 

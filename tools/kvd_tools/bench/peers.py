@@ -247,13 +247,18 @@ def _progress(line: str) -> None:
 @dataclass(frozen=True)
 class Reply:
     """One request's tokens, TTFT, vLLM's seconds a later token took (None for one
-    token) and the seconds `LLM.generate` took, all seconds inside the engine."""
+    token) and the seconds `LLM.generate` took, all seconds inside the engine; and
+    where its TTFT went, by vLLM's engine-core timestamps: `wait` from queued to
+    first scheduled (a connector's asynchronous load waits there), `forward` from
+    then to its first token (its step: the forward pass of the tokens not served)."""
 
     tokens: list[int]
     ttft: float
     step: float | None
     seconds: float
     logprobs: list[list[tuple[int, float]]]
+    wait: float | None = None
+    forward: float | None = None
 
 
 TOP_LOGPROBS = 5  # asked with every request: they tell a near-tie from a wrong token
@@ -262,11 +267,11 @@ TOP_LOGPROBS = 5  # asked with every request: they tell a near-tie from a wrong 
 def ask(proc: EngineProcess, prompt: list[int], max_tokens: int) -> Reply:
     reply = proc.ask({"prompts": [prompt], "max_tokens": max_tokens, "timings": True,
                       "logprobs": TOP_LOGPROBS})  # fmt: skip
-    first, step = reply["timings"][0]
+    first, step, wait, forward = reply["timings"][0]
     seconds = float(reply["seconds"])
     tops = [[(int(i), float(lp)) for i, lp in top] for top in reply["logprobs"][0]]
     ttft = float(first) if first is not None else seconds
-    return Reply(reply["tokens"][0], ttft, step, seconds, tops)
+    return Reply(reply["tokens"][0], ttft, step, seconds, tops, wait, forward)
 
 
 @dataclass
@@ -278,17 +283,26 @@ class Served:
     tokens: list[list[int]] = dataclasses.field(default_factory=list)
     logprobs: list[list[list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
     seconds: float = 0.0  # in `LLM.generate`: the bench's own round trips are not counted
+    waits: list[float | None] = dataclasses.field(default_factory=list)
+    forwards: list[float | None] = dataclasses.field(default_factory=list)
 
     def add(self, one: Reply) -> None:
-        self.ttfts.append(one.ttft)
+        self.time(one)
         self.steps.append(one.step)
         self.tokens.append(one.tokens)
         self.logprobs.append(one.logprobs)
         self.seconds += one.seconds
 
+    def time(self, one: Reply) -> None:
+        """Only `one`'s TTFT and where it went (a repeat of tokens already kept)."""
+        self.ttfts.append(one.ttft)
+        self.waits.append(one.wait)
+        self.forwards.append(one.forward)
+
     def sample(self, r: int, system: str, measure: str, prompt_tokens: int, **more: Any) -> Sample:
         return Sample(r, system, measure, prompt_tokens, ttft_ms=_ms(self.ttfts),
                       step_ms=_ms(self.steps), tokens=self.tokens, logprobs=self.logprobs,
+                      wait_ms=_ms(self.waits), forward_ms=_ms(self.forwards),
                       **more)  # fmt: skip
 
     def serving(self, r: int, system: str, measure: str, prompts: list[list[int]],
@@ -350,7 +364,7 @@ def first_engine(
                 if not got.tokens or one.tokens != got.tokens[0]:  # one entry if all agree
                     got.add(one)
                 else:
-                    got.ttfts.append(one.ttft)
+                    got.time(one)
             # The prefill that stored the prompt (a miss: every block computed and
             # offered to the connector); with no connector, the same recompute.
             out.append(store.sample(r, system, "ttft_store", n))
@@ -364,7 +378,7 @@ def first_engine(
             # costs a connector is its ttft_cached over this.
             floor = Served()
             for _ in range(args.samples):
-                floor.ttfts.append(ask(proc, prompt, 1).ttft)
+                floor.time(ask(proc, prompt, 1))
             out.append(floor.sample(r, system, "ttft_vllm_cache", n))
         got = Served()
         before = hits(proc)
@@ -440,7 +454,7 @@ def two_engines(
                  for p, b in zip(procs, before, strict=True))  # fmt: skip
     both = Served()
     for got in results:  # engine 0's, then engine 1's, as the reference's
-        for field_name in ("ttfts", "steps", "tokens", "logprobs"):
+        for field_name in ("ttfts", "steps", "tokens", "logprobs", "waits", "forwards"):
             getattr(both, field_name).extend(getattr(got, field_name))
     sample = both.serving(r, system, "two_engines", [*mine[0], *mine[1]], served, wall)
     _progress(f"{system} two_engines: {sample.requests_per_s:.2f} requests/s")

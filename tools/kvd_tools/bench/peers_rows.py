@@ -121,6 +121,11 @@ class Sample:
     tokens: list[list[int]] = field(default_factory=list)
     # Per prompt, per generated token, the top (id, logprob) pairs: `matches`.
     logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    # Where the TTFT went (medians of the requests), by vLLM's engine-core timestamps:
+    # queued to first scheduled (a connector's asynchronous load waits there), and
+    # from then to the first token (the step that computes what was not served).
+    wait_ms: float | None = None
+    forward_ms: float | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -233,6 +238,8 @@ def rows(samples: list[Sample]) -> list[dict[str, Any]]:
                 "tokens_equal": all(equal) if equal else None,
                 "tokens_exact": all(exact) if exact else None,
                 "ttft_p99_ms": _median([s.ttft_p99_ms for s in rounds.values()]),
+                "wait_ms": _median([s.wait_ms for s in rounds.values()]),
+                "forward_ms": _median([s.forward_ms for s in rounds.values()]),
                 "rounds": len(rounds),
                 "spread_min": min(figures) if figures else None,
                 "spread_max": max(figures) if figures else None,
@@ -278,6 +285,22 @@ def _off(ratio: dict[str, Any], figure: str) -> str:
     return "" if value is None else f", kvd's connector with no daemon {value:.2f}x"
 
 
+def _where(table: list[dict[str, Any]], measure: str, n: int) -> list[str]:
+    """Where kvd's and LMCache's TTFT went: the wait to be scheduled (the load) and
+    the step to the first token, where both rows carry them."""
+    got = {r["system"]: r for r in table if (r["measure"], r["prompt_tokens"]) == (measure, n)}
+    if any(got.get(name, {}).get(figure) is None
+           for name in ("kvd", "lmcache") for figure in ("wait_ms", "forward_ms")):  # fmt: skip
+        return []
+    kvd, lmcache = got["kvd"], got["lmcache"]
+    return [
+        f"{measure} at {n} tokens, where the TTFT went (medians): queued to scheduled (the "
+        f"load's wait) kvd {kvd['wait_ms']:.1f} ms, LMCache {lmcache['wait_ms']:.1f} ms; "
+        f"scheduled to the first token kvd {kvd['forward_ms']:.1f} ms, "
+        f"LMCache {lmcache['forward_ms']:.1f} ms"
+    ]
+
+
 def summarize(table: list[dict[str, Any]]) -> list[str]:
     """One line a measure: where kvd stands against LMCache and the goals of issue 25."""
     ratio = {(r["measure"], r["prompt_tokens"]): r for r in table if r["system"] == "ratio"}
@@ -290,6 +313,7 @@ def summarize(table: list[dict[str, Any]]) -> list[str]:
                 f"(rounds {r['spread_min']:.2f} to {r['spread_max']:.2f}; goal >= {goal:.2f}): "
                 + ("kvd ahead" if r["ttft_ms"] >= goal else "goal missed")
             )
+            lines += _where(table, measure, n)
         elif measure == "ttft_store" and r["ttft_vs_none"] is not None:
             against = r["lmcache_ttft_vs_none"]
             lmcache = f"LMCache's {against:.2f}x" if against is not None else "LMCache did not run"

@@ -15,7 +15,8 @@ line that starts with `{` (vLLM's own logs go to stderr: the driver sets
     {"metrics": true}      -> {"metrics": {name: value}}, vLLM's `vllm:kv_offload*` counters
     {"metrics": true, "prefixes": [...]}  -> the same, for metrics of these name prefixes
     {"prompts": [...], "max_tokens": N, "timings": true}  -> also "timings": per prompt
-        [seconds to its first token, seconds a later token took (null for one token)]
+        [seconds to its first token, seconds a later token took (null for one token),
+        seconds from queued to first scheduled, from scheduled to its first token]
     {"prompts": [...], "abort": S, "max_tokens": N}  -> {"aborted": n}: the requests
         added, S engine steps run, those still running aborted (`_abort`)
 
@@ -354,14 +355,18 @@ def _abort(llm: Any, cmd: dict[str, Any], prompt_type: Any, params_type: Any) ->
 
 
 def _timings(out: Any) -> list[float | None]:
-    """[first token latency, seconds a token after it] from vLLM's per-request stats
-    (engine core timestamps; kept because the engine logs stats)."""
+    """[first token latency, seconds a token after it, queued to first scheduled,
+    scheduled to first token] from vLLM's per-request stats (engine core
+    timestamps; kept because the engine logs stats). A request that waited for
+    a connector's asynchronous load is first scheduled after it: its wait is in
+    the third figure, its forward pass in the fourth."""
     stats = out.metrics
     if stats is None:
-        return [None, None]
+        return [None, None, None, None]
     later = stats.num_generation_tokens - 1
     step = (stats.last_token_ts - stats.first_token_ts) / later if later > 0 else None
-    return [stats.first_token_latency, step]
+    return [stats.first_token_latency, step, stats.scheduled_ts - stats.queued_ts,
+            stats.first_token_ts - stats.scheduled_ts]  # fmt: skip
 
 
 def _top(position: Any) -> list[tuple[int, float]]:
