@@ -22,7 +22,8 @@ from kvd_tools.bench.peers_rows import Workload
 class Recorder:
     """Answers each request as the harness's engine does; keeps the prompts asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
         self.prompts: list[list[int]] = []
 
     def ask(self, cmd: dict[str, Any], timeout: float = 600) -> Any:
@@ -40,10 +41,11 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
 
     @contextlib.contextmanager
     def engine(srv: Any, model: str, **config: Any) -> Iterator[Recorder]:
-        started.append(Recorder())
+        started.append(Recorder(config))
         yield started[-1]
 
     monkeypatch.setattr(peers, "engine", engine)
+    monkeypatch.setattr(peers.os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
     args = SimpleNamespace(system_tokens=64, conversations=2, turns=2, user_tokens=32,
                            reply_tokens=32, prompt_tokens=[256], decode_samples=1,
                            trace_block_tokens=4, gpu_blocks=24, model="llama", max_tokens=2,
@@ -54,6 +56,9 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
     assert len(started) == 2, "a new engine, then a third beside it"
     new, third = started
     warmup = work.warmup[::-1]
+    # The two engines of two_engines on CPUs of their own (vLLM's automatic
+    # binding would put both engines' forward passes on the same core).
+    assert (new.config["cores"], third.config["cores"]) == ("0,1", "2,3")
     assert new.prompts[:2] == [warmup, work.ttft[256]], (
         "the new engine's first row after one warm-up"
     )
@@ -63,3 +68,9 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
     assert len(two.tokens) == len(work.chat2), "the warm-up is not one of the row's requests"
     first = next(s for s in got if s.measure == "ttft_new_engine")
     assert len(first.tokens) == 1
+
+
+def test_two_engines_split_the_cpus_and_one_cpu_is_left_to_vllm() -> None:
+    assert peers.halves([0, 1]) == ("0", "1")
+    assert peers.halves([2, 5, 7]) == ("2", "5,7")
+    assert peers.halves([0]) == (None, None)
