@@ -9,6 +9,7 @@ requests is the subject, not vLLM); the peers quick test
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 
 from kvd_tools.bench import peers
 from kvd_tools.bench.peers_rows import Workload
+from kvd_tools.bench.suites import SuiteError
 
 
 class Recorder:
@@ -45,13 +47,13 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
         yield started[-1]
 
     monkeypatch.setattr(peers, "engine", engine)
-    monkeypatch.setattr(peers.os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
     args = SimpleNamespace(system_tokens=64, conversations=2, turns=2, user_tokens=32,
                            reply_tokens=32, prompt_tokens=[256], decode_samples=1,
                            trace_block_tokens=4, gpu_blocks=24, model="llama", max_tokens=2,
                            trace_max_tokens=2)  # fmt: skip
     work = Workload.draw(args, 1000, seed=3)
-    got = peers.second_engine(0, "none", peers.Serving({"kvd": None}), work, args, "model")
+    got = peers.second_engine(0, "none", peers.Serving({"kvd": None}), work, args, "model")  # type: ignore[arg-type]
 
     assert len(started) == 2, "a new engine, then a third beside it"
     new, third = started
@@ -74,3 +76,49 @@ def test_two_engines_split_the_cpus_and_one_cpu_is_left_to_vllm() -> None:
     assert peers.halves([0, 1]) == ("0", "1")
     assert peers.halves([2, 5, 7]) == ("2", "5,7")
     assert peers.halves([0]) == (None, None)
+
+
+def test_an_engine_bound_to_cores_keeps_its_systems_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`engine(cores=...)` adds vLLM's binding to the system's environment (LMCache's
+    engines keep theirs) and leaves it alone without cores; a TP engine is refused
+    (vLLM wants one CPU list a rank)."""
+    envs: list[dict[str, str] | None] = []
+
+    class Started:
+        def __init__(self, config: dict[str, Any], *, env: Any = None, python: Any = None) -> None:
+            envs.append(env)
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(peers, "EngineProcess", Started)
+    srv = peers.Serving({"kvd": None}, None, {"LMCACHE_TRACK_USAGE": "false"})
+    with peers.engine(srv, "model", cores="1"):
+        pass
+    with peers.engine(srv, "model"):
+        pass
+    assert envs == [
+        {"LMCACHE_TRACK_USAGE": "false", "VLLM_CPU_OMP_THREADS_BIND": "1"},
+        {"LMCACHE_TRACK_USAGE": "false"},
+    ]
+    assert srv.env == {"LMCACHE_TRACK_USAGE": "false"}
+    with pytest.raises(SuiteError, match="one-rank"), peers.engine(srv, "m", cores="0", tp=2):
+        pass
+
+
+def test_the_harness_times_a_request_from_vllms_timestamps() -> None:
+    """[TTFT, seconds a later token, queued to scheduled, scheduled to first token]."""
+    from kvd_tools.vllm_harness.engine import _timings
+
+    stats = SimpleNamespace(first_token_latency=0.05, num_generation_tokens=3, queued_ts=10.0,
+                            scheduled_ts=10.01, first_token_ts=10.04, last_token_ts=10.06)  # fmt: skip
+    first, step, wait, forward = _timings(SimpleNamespace(metrics=stats))
+    assert (first, round(step or 0, 6), round(wait or 0, 6), round(forward or 0, 6)) == (
+        0.05,
+        0.01,
+        0.01,
+        0.03,
+    )
+    assert _timings(SimpleNamespace(metrics=None)) == [None, None, None, None]

@@ -226,8 +226,10 @@ class EngineRefused(Exception):
 def engine(
     srv: Serving, model: str, cores: str | None = None, **config: Any
 ) -> Iterator[EngineProcess]:
-    """`cores`: the CPUs its forward passes are bound to (`VLLM_CPU_OMP_THREADS_BIND`);
-    default vLLM's automatic binding."""
+    """`cores`: the CPUs its forward passes are bound to (`VLLM_CPU_OMP_THREADS_BIND`,
+    one list: a one-rank engine); default vLLM's automatic binding."""
+    if cores and srv.config.get("tp", config.get("tp", 1)) != 1:
+        raise SuiteError(f"cores {cores!r}: one CPU list binds a one-rank engine only")
     t0 = time.monotonic()
     env = {**(srv.env or {}), "VLLM_CPU_OMP_THREADS_BIND": cores} if cores else srv.env
     try:
