@@ -39,7 +39,23 @@ def test_dumps_happen_between_hooks_and_count_every_call(
     assert depths and set(depths) == {0}  # never inside `start_load_kv`
     assert hook_times._depth[0] == 0
     table = json.loads(next(tmp_path.glob("*.json")).read_text())
-    written = sum(calls for calls, _ in table.values())
+    written = sum(calls for calls, *_ in table.values())
     assert written <= 4 * steps and written % 4 == 0  # whole steps: dumped between them
     assert hook_times._table["submit_load"][0] == 3 * steps
     assert hook_times._table["start_load_kv"][0] == steps
+
+
+def test_report_names_the_longest_call_beside_the_means(tmp_path: Path) -> None:
+    # 10 steps of build_connector_meta: nine of 1 ms and one of 50 ms (a mean of 5.9 ms)
+    table = {
+        "build_connector_meta": [10, 0.059, 0.050],
+        "update_connector_output": [10, 0.002, 0.0004],
+    }
+    (tmp_path / "123.json").write_text(json.dumps(table))
+    (line,) = hook_times.report(tmp_path)
+    assert line.startswith("scheduler (pid 123, 10 steps): 6100 us a step")
+    assert "longest calls (ms): build_connector_meta 50.00, update_connector_output 0.40" in line
+    # A table written before the longest call was kept still reads.
+    (tmp_path / "123.json").write_text(json.dumps({"build_connector_meta": [10, 0.059]}))
+    (line,) = hook_times.report(tmp_path)
+    assert "longest" not in line and "5900 us a step" in line

@@ -40,7 +40,7 @@ WORKER_HOOKS = (
     "get_block_ids_with_load_errors", "bind_connector_metadata", "clear_connector_metadata",
 )  # fmt: skip
 COPIES = ("submit_store", "submit_load")
-_table: dict[str, list[float]] = {}  # name -> [calls, seconds]
+_table: dict[str, list[float]] = {}  # name -> [calls, seconds, the longest call's seconds]
 _calls = [0]
 _depth = [0]  # hooks running now: the copies run inside one
 
@@ -61,9 +61,11 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             _depth[0] -= 1
-            entry = _table.setdefault(name, [0, 0.0])
+            took = time.perf_counter() - t0
+            entry = _table.setdefault(name, [0, 0.0, 0.0])
             entry[0] += 1
-            entry[1] += time.perf_counter() - t0
+            entry[1] += took
+            entry[2] = max(entry[2], took)
             _calls[0] += 1
             # Written only between hooks: a dump inside a copy would count in the
             # time of the hook that runs it (`start_load_kv`, `handle_preemptions`).
@@ -100,8 +102,16 @@ def report(where: Path) -> list[str]:
         if not steps:
             continue
         # The copies run inside a hook: listed, not added again.
-        total = sum(sec for name, (_, sec) in table.items() if name not in COPIES) / steps * 1e6
+        total = sum(entry[1] for name, entry in table.items() if name not in COPIES) / steps * 1e6
         parts = sorted(table.items(), key=lambda kv: -kv[1][1])
-        detail = ", ".join(f"{name} {seconds / steps * 1e6:.1f}" for name, (_, seconds) in parts)
-        lines.append(f"{side} (pid {path.stem}, {steps} steps): {total:.0f} us a step: {detail}")
+        detail = ", ".join(f"{name} {entry[1] / steps * 1e6:.1f}" for name, entry in parts)
+        # The longest single calls: a hook that stalls one step hides in a mean.
+        longest = sorted(
+            ((entry[2], name) for name, entry in parts if len(entry) > 2), reverse=True
+        )
+        worst = ", ".join(f"{name} {sec * 1e3:.2f}" for sec, name in longest[:3])
+        lines.append(
+            f"{side} (pid {path.stem}, {steps} steps): {total:.0f} us a step: {detail}"
+            + (f"; longest calls (ms): {worst}" if worst else "")
+        )
     return lines
