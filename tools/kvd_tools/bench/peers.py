@@ -9,10 +9,11 @@ at a time and only that system's cache running, so that machine noise hits
 all three; each round draws fresh prompts (`peers_rows.Workload`). Per
 system and round, two engine processes:
 
-1. a large engine: `ttft_store` (the TTFT of the request that computes a
-   prompt and offers its blocks to the connector: a prefill with stores; with
-   no connector the same recompute), `ttft_cached` (each prompt length stored
-   once, then served `--samples` times after `reset_prefix_cache()`: TTFT from the cache),
+1. a large engine: `ttft_store` (the TTFT of `--samples` requests that each
+   compute a prompt no system has seen and offer its blocks to the connector:
+   prefills with stores; with no connector the same recomputes), `ttft_cached`
+   (each prompt length stored once, then served `--samples` times after
+   `reset_prefix_cache()`: TTFT from the cache),
    `ttft_vllm_cache` (the same prompt again without a reset: vLLM's own cache
    holds all but its last block, which the connector serves) and
    `decode_step` (ms per output token of a 128-token prompt, from vLLM's own
@@ -358,6 +359,13 @@ def first_engine(
             # No connector: one recompute, the baseline and the tokens to compare with.
             samples = args.samples if system in CACHES else 1
             store = Served()
+            # The storing prefill, `--samples` times: prompts no system has seen
+            # (misses whose blocks are offered for storing; with no connector, the
+            # same recomputes), then `prompt`. With one sample a round and length,
+            # an engine's first forward pass of that length, the median moved 5 to
+            # 10 % between runs for every system.
+            for fresh in work.stores.get(n, []):
+                store.add(ask(proc, fresh, 1))
             if system in CACHES:
                 store.add(ask(proc, prompt, 1))  # misses, and the connector stores it
                 settle(proc, prompt)

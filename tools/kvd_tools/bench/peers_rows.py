@@ -47,6 +47,8 @@ class Workload:
     # Other conversations, for two engines at once: (engine 0 or 1, prompt), in order.
     chat2: list[tuple[int, list[int]]] = field(default_factory=list)
     trace: list[list[int]] = field(default_factory=list)  # trace requests' prompts
+    # More prompts of each length, for the storing prefill's samples: each a miss.
+    stores: dict[int, list[list[int]]] = field(default_factory=dict)
 
     @classmethod
     def draw(
@@ -77,7 +79,10 @@ class Workload:
         chat = [prompt for _, prompt in conversations()]
         chat2 = conversations()
         prompts = trace_prompts(trace or [], args.trace_block_tokens, vocab, seed)
-        return cls(ttft, decode, warmup, chat, chat2, prompts)
+        # Drawn last: the prompts above stay what they were for a given seed.
+        more = getattr(args, "samples", 1) - 1
+        stores = {n: [tokens(n) for _ in range(more)] for n in args.prompt_tokens}
+        return cls(ttft, decode, warmup, chat, chat2, prompts, stores)
 
     @property
     def longest_chat(self) -> int:

@@ -607,7 +607,8 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=3,
         metavar="N",
-        help="TTFT samples a prompt length a round (default: 3)",
+        help="samples a prompt length a round: TTFTs from the cache, and storing "
+        "prefills of prompts no system has seen (default: 3)",
     )
     p.add_argument(
         "--decode-samples",
