@@ -27,6 +27,11 @@ class Recorder:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.prompts: list[list[int]] = []
+        self.pinned: set[int] | None = None
+
+    def pin(self, cpus: set[int]) -> int:
+        self.pinned = cpus
+        return 1
 
     def ask(self, cmd: dict[str, Any], timeout: float = 600) -> Any:
         if cmd.get("metrics"):
@@ -61,6 +66,8 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
     # The two engines of two_engines on CPUs of their own (vLLM's automatic
     # binding would put both engines' forward passes on the same core).
     assert (new.config["cores"], third.config["cores"]) == ("0,1", "2,3")
+    # ... and every thread of each (vLLM's engine core spins on a floating CPU).
+    assert (new.pinned, third.pinned) == ({0, 1}, {2, 3})
     assert new.prompts[:2] == [warmup, work.ttft[256]], (
         "the new engine's first row after one warm-up"
     )

@@ -451,7 +451,7 @@ def second_engine(
                 # Its first forward pass (seconds on this host, beside the other engine's
                 # steps) is warmed up as the new engine's was: not a request of the row.
                 ask(other, work.warmup[::-1], 1)
-                out.append(two_engines(r, system, (proc, other), work, args))
+                out.append(two_engines(r, system, (proc, other), work, args, (mine, theirs)))
     return out
 
 
@@ -461,11 +461,24 @@ def two_engines(
     procs: tuple[EngineProcess, EngineProcess],
     work: Workload,
     args: argparse.Namespace,
+    cores: tuple[str | None, str | None] = (None, None),
 ) -> Sample:
     """Both engines at once, each its own turns in order (`chat2`: a conversation's
     turns alternate between the engines): requests/s of the two over the
     wall-clock time, TTFT, and the share of prompt tokens the connector served
-    either."""
+    either.
+
+    With `cores` (each engine's forward passes' CPUs, `halves`), every thread of
+    each engine runs on its own CPUs: vLLM's engine core polls for its workers'
+    output, spinning for a second after each (`shm_broadcast`'s `busy_loop_s`),
+    so two engines on two CPUs are four busy threads, and an engine core left to
+    float spins on the other engine's core. Pinned, it spins beside its own
+    forward pass and yields to it. The cache's own processes (kvd's daemon,
+    LMCache's server) and the bench are left to the scheduler, the same for every
+    system."""
+    for proc, cpus in zip(procs, cores, strict=True):
+        if cpus is not None:
+            proc.pin({int(c) for c in cpus.split(",")})
     before = [hits(p) for p in procs]
     mine = [[q for e, q in work.chat2 if e == n] for n in (0, 1)]
 

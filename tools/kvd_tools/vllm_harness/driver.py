@@ -207,6 +207,27 @@ class EngineProcess:
         aborted: int = self.ask(cmd, timeout)["aborted"]
         return aborted
 
+    def pin(self, cpus: set[int]) -> int:
+        """Binds every thread of the engine's processes (the harness, vLLM's engine
+        core and workers: its session) to `cpus`; returns how many threads. Threads
+        started later inherit it from the thread that starts them."""
+        pinned = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                if int(stat[stat.rfind(")") + 2 :].split()[3]) != self.proc.pid:
+                    continue  # another session's process
+                for task in (entry / "task").iterdir():
+                    os.sched_setaffinity(int(task.name), cpus)
+                    pinned += 1
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # it ended meanwhile
+        if not pinned:
+            raise RuntimeError(f"no thread of engine {self.proc.pid} to bind to {sorted(cpus)}")
+        return pinned
+
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
