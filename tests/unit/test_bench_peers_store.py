@@ -1,9 +1,7 @@
 """Runs in the test process: `kvd bench peers`' storing prefill is `--samples`
 fresh prompts a length, each a miss, the same for every system.
 
-The engine is a stand-in that records what it was asked (the order of requests
-is the subject, not vLLM); the peers quick test (tests/integration/
-test_bench_quick.py) runs the same code on real engines.
+The engine is a stand-in that records what it was asked (`peers_engine`).
 """
 
 from __future__ import annotations
@@ -17,29 +15,10 @@ import pytest
 
 from kvd_tools.bench import peers
 from kvd_tools.bench.peers_rows import Workload
+from tests.unit.peers_engine import Recorder
 
 ARGS = dict(system_tokens=64, conversations=2, turns=2, user_tokens=32, reply_tokens=32,
             prompt_tokens=[256, 512], decode_samples=1, trace_block_tokens=4)  # fmt: skip
-
-
-class Recorder:
-    """Answers each request as the harness's engine does; keeps the prompts asked."""
-
-    def __init__(self) -> None:
-        self.prompts: list[list[int]] = []
-
-    def ask(self, cmd: dict[str, Any], timeout: float = 600) -> Any:
-        if cmd.get("metrics"):
-            return {"metrics": {}}
-        (prompt,) = cmd["prompts"]
-        self.prompts.append(prompt)
-        n = cmd["max_tokens"]
-        ttft = len(self.prompts) / 1000  # each request its own TTFT, to count them
-        return {"tokens": [[1] * n], "timings": [[ttft, 0.005 if n > 1 else None, 0.0, ttft]],
-                "seconds": 0.02, "logprobs": [[[[1, -0.1]]] * n]}  # fmt: skip
-
-    def reset_prefix_cache(self) -> None:
-        return None
 
 
 def test_more_samples_add_store_prompts_and_leave_the_rest_of_the_round_alone() -> None:

@@ -1,9 +1,7 @@
 """Runs in the test process: `kvd bench peers`' new engines answer a warm-up request
 before their rows, and the warm-up is counted in none of them.
 
-The engines here are stand-ins that record what they were asked (the order of
-requests is the subject, not vLLM); the peers quick test
-(tests/integration/test_bench_quick.py) runs the same code on real engines.
+The engines here are stand-ins that record what they were asked (`peers_engine`).
 """
 
 from __future__ import annotations
@@ -19,28 +17,7 @@ import pytest
 from kvd_tools.bench import peers
 from kvd_tools.bench.peers_rows import Workload
 from kvd_tools.bench.suites import SuiteError
-
-
-class Recorder:
-    """Answers each request as the harness's engine does; keeps the prompts asked."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.config = config
-        self.prompts: list[list[int]] = []
-        self.pinned: set[int] | None = None
-
-    def pin(self, cpus: set[int]) -> int:
-        self.pinned = cpus
-        return 1
-
-    def ask(self, cmd: dict[str, Any], timeout: float = 600) -> Any:
-        if cmd.get("metrics"):
-            return {"metrics": {}}
-        (prompt,) = cmd["prompts"]
-        self.prompts.append(prompt)
-        n = cmd["max_tokens"]
-        return {"tokens": [[1] * n], "timings": [[0.01, 0.005 if n > 1 else None, 0.004, 0.005]],
-                "seconds": 0.02, "logprobs": [[[[1, -0.1]]] * n]}  # fmt: skip
+from tests.unit.peers_engine import Recorder
 
 
 def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
