@@ -209,24 +209,45 @@ class EngineProcess:
 
     def pin(self, cpus: set[int]) -> int:
         """Binds every thread of the engine's processes (the harness, vLLM's engine
-        core and workers: its session) to `cpus`; returns how many threads. Threads
-        started later inherit it from the thread that starts them."""
+        core and workers: its session) to `cpus`, but those already bound within
+        them (vLLM's OpenMP threads, one a core: left as they are); returns how
+        many threads it bound. It looks again until a pass finds no thread it has
+        not seen (one started meanwhile by a thread not yet bound); threads
+        started later inherit the binding of the thread that starts them."""
+        seen: set[int] = set()
         pinned = 0
+        while True:
+            found = self._threads() - seen
+            if not found:
+                break
+            seen |= found
+            for tid in found:
+                try:
+                    if os.sched_getaffinity(tid) <= cpus:
+                        continue
+                    os.sched_setaffinity(tid, cpus)
+                    pinned += 1
+                except ProcessLookupError:
+                    continue  # it ended meanwhile
+        if not seen:
+            raise RuntimeError(f"no thread of engine {self.proc.pid} to bind to {sorted(cpus)}")
+        return pinned
+
+    def _threads(self) -> set[int]:
+        """The thread ids of every process in the engine's session (`start_new_session`:
+        the session id is the harness's pid)."""
+        tids: set[int] = set()
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
                 stat = (entry / "stat").read_text()
                 if int(stat[stat.rfind(")") + 2 :].split()[3]) != self.proc.pid:
-                    continue  # another session's process
-                for task in (entry / "task").iterdir():
-                    os.sched_setaffinity(int(task.name), cpus)
-                    pinned += 1
+                    continue  # another session's process (field 6: the session id)
+                tids.update(int(task.name) for task in (entry / "task").iterdir())
             except (FileNotFoundError, ProcessLookupError):
                 continue  # it ended meanwhile
-        if not pinned:
-            raise RuntimeError(f"no thread of engine {self.proc.pid} to bind to {sorted(cpus)}")
-        return pinned
+        return tids
 
     @property
     def alive(self) -> bool:
