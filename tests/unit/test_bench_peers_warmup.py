@@ -69,27 +69,29 @@ def test_an_engine_bound_to_cores_keeps_its_systems_environment(
     engines keep theirs) and leaves it alone without cores; a TP engine is refused
     (vLLM wants one CPU list a rank)."""
     envs: list[dict[str, str] | None] = []
+    stopped: list[bool] = []
 
     class Started:
         def __init__(self, config: dict[str, Any], *, env: Any = None, python: Any = None) -> None:
             envs.append(env)
 
         def stop(self) -> None:
-            pass
+            stopped.append(True)
 
     monkeypatch.setattr(peers, "EngineProcess", Started)
     srv = peers.Serving({"kvd": None}, None, {"LMCACHE_TRACK_USAGE": "false"})
-    with peers.engine(srv, "model", cores="1"):
-        pass
-    with peers.engine(srv, "model"):
-        pass
+    with peers.engine(srv, "model", cores="1") as bound:
+        assert isinstance(bound, Started) and not stopped
+    with peers.engine(srv, "model") as unbound:
+        assert isinstance(unbound, Started)
+    assert stopped == [True, True], "each engine stopped when its block ends"
     assert envs == [
         {"LMCACHE_TRACK_USAGE": "false", "VLLM_CPU_OMP_THREADS_BIND": "1"},
         {"LMCACHE_TRACK_USAGE": "false"},
     ]
     assert srv.env == {"LMCACHE_TRACK_USAGE": "false"}
     with pytest.raises(SuiteError, match="one-rank"), peers.engine(srv, "m", cores="0", tp=2):
-        pass
+        raise AssertionError("a TP engine bound to one CPU list was started")
 
 
 def test_the_harness_times_a_request_from_vllms_timestamps() -> None:
