@@ -33,7 +33,7 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
     args = SimpleNamespace(system_tokens=64, conversations=2, turns=2, user_tokens=32,
                            reply_tokens=32, prompt_tokens=[256], decode_samples=1,
                            trace_block_tokens=4, gpu_blocks=24, model="llama", max_tokens=2,
-                           trace_max_tokens=2)  # fmt: skip
+                           trace_max_tokens=2, samples=1)  # fmt: skip
     work = Workload.draw(args, 1000, seed=3)
     got = peers.second_engine(0, "none", peers.Serving({"kvd": None}), work, args, "model")  # type: ignore[arg-type]
 

@@ -80,8 +80,7 @@ class Workload:
         chat2 = conversations()
         prompts = trace_prompts(trace or [], args.trace_block_tokens, vocab, seed)
         # Drawn last: the prompts above stay what they were for a given seed.
-        more = getattr(args, "samples", 1) - 1
-        stores = {n: [tokens(n) for _ in range(more)] for n in args.prompt_tokens}
+        stores = {n: [tokens(n) for _ in range(args.samples - 1)] for n in args.prompt_tokens}
         return cls(ttft, decode, warmup, chat, chat2, prompts, stores)
 
     @property
