@@ -15,9 +15,7 @@ system and round, two engine processes:
    (each prompt length stored once, then served `--samples` times after
    `reset_prefix_cache()`: TTFT from the cache),
    `ttft_vllm_cache` (the same prompt again without a reset: vLLM's own cache
-   holds all but its last block, which the connector serves) and
-   `decode_step` (ms per output token of a 128-token prompt, from vLLM's own
-   first and last token timestamps);
+   holds all but its last block, which the connector serves);
 2. a new engine whose own cache is small (`--gpu-blocks`): `ttft_new_engine`
    (its first request of the longest prefix, which the previous process
    stored; after a warm-up request of other tokens), `multi_turn` (chat
@@ -31,7 +29,14 @@ system and round, two engine processes:
    affinity sends them, both engines driven at the same time: the turn
    before, the newest part of a turn's history, was computed by the other
    engine, so it is served from the system's shared cache or computed
-   again).
+   again);
+4. last in the round, `--decode-engines` engines of every system at once,
+   each system's cache running: `decode_step` (ms per output token of a
+   128-token prompt, from vLLM's own first and last token timestamps). Each
+   prompt goes to every engine in turn, the order rotating, so the systems'
+   steps are timed in the same seconds (`decode_engines`: on this host one
+   engine's step drifted 15 % within a minute, and moved 10 % between
+   engines of one system).
 
 `--systems` may add `kvd-off` (kvd's connector, no daemon): measured as the
 no-connector engine is, the baseline for what kvd's own work costs.
@@ -64,6 +69,7 @@ from typing import Any
 from kvd_tools.bench.lmcache_server import ENV, LMCacheServer, default_venv, missing
 from kvd_tools.bench.peers_rows import (
     CACHES,
+    DECODE_PROMPT_TOKENS,
     SYSTEMS,
     Sample,
     Workload,
@@ -80,6 +86,10 @@ from kvd_tools.vllm_harness.engine import BLOCK_SIZE, write_model
 
 HITS = "vllm:external_prefix_cache_hits"
 SETTLE_S = 30.0  # how long a stored prefix may take to be served from the cache
+# Between two decode requests: vLLM's engine core spins for a second after each
+# message from its workers (`shm_broadcast.py`, `busy_loop_s = 1`), and the engine
+# asked before must not spin beside the next one's steps.
+QUIET_S = 1.2
 TOKEN_BYTES = 1024  # the least KV cache a token of one group: a BENCH_GEMMA3 layer's
 # Blocks vLLM's own cache holds beside `--gpu-blocks` of a prompt: Gemma 3's five
 # sliding-window groups each keep their window (512 tokens) and one block more.
@@ -150,6 +160,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue
                 samples += got
                 _progress(f"round {r + 1}/{args.rounds} {system}: {time.monotonic() - t0:.0f} s")
+            t0 = time.monotonic()
+            live = [system for system in systems if system not in refused]
+            try:
+                samples += decode_engines(r, live, work, args, venv, model)
+            except EngineRefused as exc:
+                raise SuiteError(f"a decode engine did not start: {exc.log}") from exc
+            _progress(f"round {r + 1}/{args.rounds} decode: {time.monotonic() - t0:.0f} s")
     if args.hook_times is not None and "kvd" in systems:
         from kvd_tools.vllm_harness.hook_times import report
 
@@ -395,14 +412,52 @@ def first_engine(
             for _ in range(args.samples):
                 floor.time(ask(proc, prompt, 1))
             out.append(floor.sample(r, system, "ttft_vllm_cache", n))
-        got = Served()
-        before = hits(proc)
-        for prompt in work.decode:
-            got.add(ask(proc, prompt, args.decode_tokens))
-        served = hits(proc) - before  # fresh prompts: 0 unless something is wrong
-        total = sum(len(q) for q in work.decode)
-        out.append(got.sample(r, system, "decode_step", len(work.decode[0]),
-                              hit_rate=served / total))  # fmt: skip
+    return out
+
+
+def decode_engines(
+    r: int, systems: list[str], work: Workload, args: argparse.Namespace, venv: Path, model: str
+) -> list[Sample]:
+    """`decode_step` of every system from `--decode-engines` engines each, all
+    running at once beside every system's cache: each prompt of `work.decode`
+    goes to every engine in turn, the first engine rotating from prompt to
+    prompt, `QUIET_S` after the request before. A system's figure is the median
+    step of all its engines' requests, so drift in time (one engine's step
+    moved 15 % within a minute here) hits every system alike, and one engine's
+    own speed (10 % apart between engines of one system) counts for less."""
+    length = DECODE_PROMPT_TOKENS + args.decode_tokens + BLOCK_SIZE
+    blocks = max(args.gpu_blocks, -(-length // BLOCK_SIZE)) + SLIDING_BLOCKS[args.model]
+    with contextlib.ExitStack() as stack:
+        procs: list[tuple[str, EngineProcess]] = []
+        for system in systems:
+            srv = stack.enter_context(serving(system, args, venv))
+            for _ in range(args.decode_engines):
+                proc = stack.enter_context(
+                    engine(srv, model, max_model_len=length, num_gpu_blocks=blocks)
+                )
+                ask(proc, work.warmup, 8)  # its first forward passes and steps
+                procs.append((system, proc))
+        before = [hits(proc) for _, proc in procs]
+        replies: list[list[Reply]] = [[] for _ in procs]
+        for i, prompt in enumerate(work.decode):
+            for k in range(len(procs)):
+                n = (i + k) % len(procs)
+                time.sleep(QUIET_S)
+                replies[n].append(ask(procs[n][1], prompt, args.decode_tokens))
+        out = []
+        for system in systems:
+            got = Served()
+            served = 0.0  # fresh prompts: 0 unless something is wrong
+            for n, (owner, proc) in enumerate(procs):
+                if owner != system:
+                    continue
+                for one in replies[n]:  # engine by engine: the order of the reference's
+                    got.add(one)
+                served += hits(proc) - before[n]
+            total = sum(len(q) for q in work.decode) * args.decode_engines
+            out.append(got.sample(r, system, "decode_step", len(work.decode[0]),
+                                  hit_rate=served / total))  # fmt: skip
+            _progress(f"{system} decode_step: {(_ms(got.steps) or 0):.2f} ms")
     return out
 
 

@@ -625,6 +625,14 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         help="tokens generated for each decode sample (default: 128)",
     )
     p.add_argument(
+        "--decode-engines",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="engines a system for the decode step, all running at once, asked in "
+        "turn (default: 2)",
+    )
+    p.add_argument(
         "--conversations",
         type=positive_int,
         default=8,
@@ -895,6 +903,7 @@ SUITES: dict[str, Suite] = {
             "samples": 1,
             "decode_samples": 1,
             "decode_tokens": 16,
+            "decode_engines": 1,
             "trace_requests": 8,
             "trace_block_tokens": 4,
             "conversations": 2,
