@@ -66,7 +66,8 @@ def test_what_kvd_cannot_hold_turns_offloading_off_with_one_line(
     manager = KvdOffloadingSpec(cfg).get_manager()
     ctx = ReqContext("r")
     assert manager.lookup(b"k" * 36, ctx) is LookupResult.MISS  # type: ignore[arg-type]
-    assert manager.prepare_store([b"k" * 36], ctx) is None  # type: ignore[list-item]
+    off = manager.prepare_store([b"k" * 36], ctx)  # type: ignore[list-item]
+    assert off is not None and list(off.keys_to_store) == []  # stored nowhere, not asked again
     (line,) = [r.getMessage() for r in caplog.records if "kvd offloading off" in r.getMessage()]
     assert line.startswith(f"kvd offloading off for this engine: {why}")
 

@@ -137,18 +137,25 @@ class KvdOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
+        """`None` (vLLM offers the blocks again next step) only when the pool has no
+        room or a reconnect raced the call; with kvd off, the daemon unreachable or
+        an error, the store is skipped for good: an answer of nothing to store, or
+        vLLM would offer the request's blocks, more each step, and log "cannot store
+        chunks" every step until the daemon is back (SPEC 12: stores are skipped)."""
         scheduler = self._scheduler
+        generation = self._lookups.generation()
         if scheduler is None:
-            return None
-        session, generation = self._lookups.session(), self._lookups.generation()
+            return self._skipped(generation)
+        session = self._lookups.session()
         try:
             out = scheduler.prepare_store([bytes(k) for k in keys])
         except Exception as exc:  # the boundary: nothing from kvd reaches vLLM
             self._failures.note("prepare_store", exc, "store skipped")
             self._counters.add("daemon_errors")
-            self._counters.add("stores_skipped")
-            return None
+            return self._skipped(generation)
         if out is None:
+            if not scheduler.connected:  # unreachable (the keeper reconnects)
+                return self._skipped(generation)
             self._counters.add("stores_skipped")
             return None
         if not out.keys_to_store and not out.evicted_keys:
@@ -182,6 +189,10 @@ class KvdOffloadingManager(OffloadingManager):
             store_spec=spec,
             evicted_keys=[OffloadKey(k) for k in out.evicted_keys],
         )
+
+    def _skipped(self, generation: int) -> PrepareStoreOutput:
+        self._counters.add("stores_skipped")
+        return PrepareStoreOutput([], KvdLoadStoreSpec([], generation), [])
 
     def on_copies(self, copies: Mapping[int, tuple[int, bool]]) -> None:
         """The workers' reports of their store copies, `token -> (workers, all

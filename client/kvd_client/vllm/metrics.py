@@ -24,7 +24,7 @@ COUNTERS: dict[str, str] = {
     "lookup_keys": "Keys vLLM looked up in kvd.",
     "lookup_hit_keys": "Keys kvd answered as hits (leading, ready, pinned for the load).",
     "daemon_errors": "kvd calls that failed (daemon down, slow, refusing): misses, skipped stores.",
-    "stores_skipped": "Store requests kvd did not take (no room, all pinned, daemon error).",
+    "stores_skipped": "Store requests kvd did not take (no room, pinned, daemon away or failing).",
     "stored_keys": "Keys whose store vLLM completed into kvd.",
     "stores_present": "Store requests kvd answered with nothing to store: every key in the "
     "pool already, ready or being stored (where the ready table shows them all ready, with "
