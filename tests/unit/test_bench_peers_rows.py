@@ -77,7 +77,7 @@ def test_two_engines_turns_alternate_so_each_history_is_the_other_engines() -> N
     extends the prompt that engine computed, so only a shared cache can serve it."""
     args = SimpleNamespace(
         system_tokens=64, conversations=4, turns=3, user_tokens=16, reply_tokens=8,
-        prompt_tokens=[128], decode_samples=1, trace_block_tokens=4, samples=1,
+        prompt_tokens=[128], decode_samples=1, decode_engines=1, trace_block_tokens=4, samples=1,
     )  # fmt: skip
     work = Workload.draw(args, vocab=1000, seed=3)
     assert len(work.chat2) == 4 * 3

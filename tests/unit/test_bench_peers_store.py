@@ -18,7 +18,8 @@ from kvd_tools.bench.peers_rows import Workload
 from tests.unit.peers_engine import Recorder
 
 ARGS = dict(system_tokens=64, conversations=2, turns=2, user_tokens=32, reply_tokens=32,
-            prompt_tokens=[256, 512], decode_samples=1, trace_block_tokens=4)  # fmt: skip
+            prompt_tokens=[256, 512], decode_samples=1, decode_engines=1,
+            trace_block_tokens=4)  # fmt: skip
 
 
 def test_more_samples_add_store_prompts_and_leave_the_rest_of_the_round_alone() -> None:

@@ -31,7 +31,7 @@ def test_each_new_engine_is_warmed_up_before_its_rows(monkeypatch: pytest.Monkey
     monkeypatch.setattr(peers, "engine", engine)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 0, 1, 2})
     args = SimpleNamespace(system_tokens=64, conversations=2, turns=2, user_tokens=32,
-                           reply_tokens=32, prompt_tokens=[256], decode_samples=1,
+                           reply_tokens=32, prompt_tokens=[256], decode_samples=1, decode_engines=1,
                            trace_block_tokens=4, gpu_blocks=24, model="llama", max_tokens=2,
                            trace_max_tokens=2, samples=1)  # fmt: skip
     work = Workload.draw(args, 1000, seed=3)

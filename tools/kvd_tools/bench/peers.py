@@ -32,8 +32,8 @@ system and round, two engine processes:
    again);
 4. last in the round, `--decode-engines` engines of every system at once,
    each system's cache running: `decode_step` (ms per output token of a
-   128-token prompt, from vLLM's own first and last token timestamps). Each
-   prompt goes to every engine in turn, the order rotating, so the systems'
+   128-token prompt, from vLLM's own first and last token timestamps). The
+   engines are asked in turn, the order rotating, so the systems'
    steps are timed in the same seconds (`decode_engines`: on this host one
    engine's step drifted 15 % within a minute, and moved 10 % between
    engines of one system).
@@ -419,9 +419,11 @@ def decode_engines(
     r: int, systems: list[str], work: Workload, args: argparse.Namespace, venv: Path, model: str
 ) -> list[Sample]:
     """`decode_step` of every system from `--decode-engines` engines each, all
-    running at once beside every system's cache: each prompt of `work.decode`
-    goes to every engine in turn, the first engine rotating from prompt to
-    prompt, `QUIET_S` after the request before. A system's figure is the median
+    running at once beside every system's cache: the j-th engine of each
+    system gets the j-th run of `--decode-samples` prompts of `work.decode`
+    (its own, so no engine hits what another stored), and every engine's i-th
+    prompt is asked before any engine's next, the first engine rotating from
+    one to the next, `QUIET_S` after the request before. A system's figure is the median
     step of all its engines' requests, so drift in time (one engine's step
     moved 15 % within a minute here) hits every system alike, and one engine's
     own speed (10 % apart between engines of one system) counts for less."""
@@ -438,12 +440,15 @@ def decode_engines(
                 ask(proc, work.warmup, 8)  # its first forward passes and steps
                 procs.append((system, proc))
         before = [hits(proc) for _, proc in procs]
+        per = args.decode_samples
+        # The j-th engine of each system: the j-th run of prompts, its own.
+        mine = [work.decode[(n % args.decode_engines) * per :][:per] for n in range(len(procs))]
         replies: list[list[Reply]] = [[] for _ in procs]
-        for i, prompt in enumerate(work.decode):
+        for i in range(per):
             for k in range(len(procs)):
                 n = (i + k) % len(procs)
                 time.sleep(QUIET_S)
-                replies[n].append(ask(procs[n][1], prompt, args.decode_tokens))
+                replies[n].append(ask(procs[n][1], mine[n][i], args.decode_tokens))
         out = []
         for system in systems:
             got = Served()
@@ -454,7 +459,7 @@ def decode_engines(
                 for one in replies[n]:  # engine by engine: the order of the reference's
                     got.add(one)
                 served += hits(proc) - before[n]
-            total = sum(len(q) for q in work.decode) * args.decode_engines
+            total = sum(len(q) for q in work.decode)
             out.append(got.sample(r, system, "decode_step", len(work.decode[0]),
                                   hit_rate=served / total))  # fmt: skip
             _progress(f"{system} decode_step: {(_ms(got.steps) or 0):.2f} ms")

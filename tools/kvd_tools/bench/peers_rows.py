@@ -41,7 +41,7 @@ class Workload:
     """One round's prompts, drawn from `seed`."""
 
     ttft: dict[int, list[int]]  # prompt length -> a prompt
-    decode: list[list[int]]
+    decode: list[list[int]]  # `decode_engines` runs of `decode_samples` prompts
     warmup: list[int]
     chat: list[list[int]]  # multi-turn prompts in arrival order
     # Other conversations, for two engines at once: (engine 0 or 1, prompt), in order.
@@ -74,7 +74,10 @@ class Workload:
             return out
 
         ttft = {n: tokens(n) for n in args.prompt_tokens}
-        decode = [tokens(DECODE_PROMPT_TOKENS) for _ in range(args.decode_samples)]
+        # Each decode engine of a system its own prompts (`decode_samples` each), the
+        # same for every system: no engine hits what another of its system stored.
+        decode = [tokens(DECODE_PROMPT_TOKENS)
+                  for _ in range(args.decode_samples * args.decode_engines)]  # fmt: skip
         warmup = tokens(64)
         chat = [prompt for _, prompt in conversations()]
         chat2 = conversations()
