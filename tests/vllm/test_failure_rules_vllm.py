@@ -548,10 +548,9 @@ def test_with_the_daemon_gone_a_store_is_skipped_not_offered_again_every_step() 
             assert manager.prepare_store(too_many, ReqContext("full")) is None  # type: ignore[arg-type]
             assert scheduler.connected
             d.stop()
-            out = None
             deadline = time.monotonic() + 10
             while scheduler.connected and time.monotonic() < deadline:
-                out = manager.prepare_store([key(3)], ReqContext("gone"))  # type: ignore[list-item]
+                manager.prepare_store([key(3)], ReqContext("gone"))  # type: ignore[list-item]
                 time.sleep(0.05)
             assert not scheduler.connected, "the session outlived its daemon"
             for i in range(3):  # every later step's offer too
