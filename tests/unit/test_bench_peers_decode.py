@@ -92,3 +92,16 @@ def test_every_systems_engines_are_asked_in_turn_and_each_system_gets_its_own_st
         assert by[system].step_ms == pytest.approx(expect)
     assert by["kvd"].step_ms != by["none"].step_ms
     assert len(by["kvd"].tokens) == 6 and by["kvd"].hit_rate == 0.0
+
+    # The next round starts the systems' engines in another order (none's first),
+    # each engine still its own run of prompts and each system its own steps.
+    started.clear()
+    log.clear()
+    got = peers.decode_engines(1, ["kvd", "none"], work, args, Path("venv"), "model")  # type: ignore[arg-type]
+    assert [e.name for e in started] == ["none0", "none1", "kvd0", "kvd1"]
+    for n, proc in enumerate(started):
+        assert proc.prompts[1:] == runs[n % 2], "an engine's own prompts, in order"
+    by = {s.system: s for s in got}
+    for system, (a, b) in steps.items():
+        expect = percentile([a] * 3 + [b] * 3, 0.5) * 1e3
+        assert by[system].step_ms == pytest.approx(expect)

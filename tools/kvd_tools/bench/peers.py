@@ -426,12 +426,17 @@ def decode_engines(
     one to the next, `QUIET_S` after the request before. A system's figure is the median
     step of all its engines' requests, so drift in time (one engine's step
     moved 15 % within a minute here) hits every system alike, and one engine's
-    own speed (10 % apart between engines of one system) counts for less."""
+    own speed counts for less: an engine's forward pass is its own, 2 to 7 %
+    apart between engines of one system in the same seconds (timed in vLLM's
+    worker, 5 December), about what the goals tell apart, so three engines a
+    system by default."""
     length = DECODE_PROMPT_TOKENS + args.decode_tokens + BLOCK_SIZE
     blocks = max(args.gpu_blocks, -(-length // BLOCK_SIZE)) + SLIDING_BLOCKS[args.model]
     with contextlib.ExitStack() as stack:
         procs: list[tuple[str, EngineProcess]] = []
-        for system in systems:
+        # Started in an order rotating by round, so that no system's engines are
+        # always the first started (the longest idle while the others start).
+        for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
             srv = stack.enter_context(serving(system, args, venv))
             for _ in range(args.decode_engines):
                 proc = stack.enter_context(

@@ -627,10 +627,10 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode-engines",
         type=positive_int,
-        default=2,
+        default=3,
         metavar="N",
         help="engines a system for the decode step, all running at once, asked in "
-        "turn (default: 2)",
+        "turn (default: 3)",
     )
     p.add_argument(
         "--conversations",
