@@ -21,7 +21,7 @@ from tests.unit.peers_engine import Recorder
 
 ARGS = dict(system_tokens=64, conversations=2, turns=2, user_tokens=32, reply_tokens=32,
             prompt_tokens=[256], samples=1, trace_block_tokens=4, decode_samples=3,
-            decode_tokens=4, gpu_blocks=24, model="llama")  # fmt: skip
+            decode_tokens=4, gpu_blocks=24, model="llama", step_times=None)  # fmt: skip
 
 
 class Stepper(Recorder):

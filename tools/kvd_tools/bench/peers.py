@@ -138,6 +138,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     trace = _trace(args)
     if args.hook_times is not None and "kvd" in systems:
         args.hook_times.mkdir(parents=True, exist_ok=True)
+    if args.step_times is not None:
+        args.step_times.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-peers-") as tmp:
         model = write_model(Path(tmp) / args.model, config)
         for r in range(args.rounds):
@@ -172,6 +174,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         for line in report(args.hook_times):
             _progress(f"kvd hooks: {line}")
+    if args.step_times is not None:
+        from kvd_tools.vllm_harness.step_times import report as step_report
+
+        for line in step_report(args.step_times):
+            _progress(f"decode steps: {line}")
     if args.dump is not None:  # every sample, tokens included, to see where tokens part
         args.dump.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
     for system, why in refused.items():
@@ -242,14 +249,21 @@ class EngineRefused(Exception):
 
 @contextlib.contextmanager
 def engine(
-    srv: Serving, model: str, cores: str | None = None, **config: Any
+    srv: Serving,
+    model: str,
+    cores: str | None = None,
+    more_env: dict[str, str] | None = None,
+    **config: Any,
 ) -> Iterator[EngineProcess]:
     """`cores`: the CPUs its forward passes are bound to (`VLLM_CPU_OMP_THREADS_BIND`,
-    one list: a one-rank engine); default vLLM's automatic binding."""
+    one list: a one-rank engine); default vLLM's automatic binding. `more_env`:
+    more variables for its processes (`step_env`)."""
     if cores and srv.config.get("tp", config.get("tp", 1)) != 1:
         raise SuiteError(f"cores {cores!r}: one CPU list binds a one-rank engine only")
     t0 = time.monotonic()
     env = {**(srv.env or {}), "VLLM_CPU_OMP_THREADS_BIND": cores} if cores else srv.env
+    if more_env:
+        env = {**(env or {}), **more_env}
     try:
         proc = EngineProcess({"model": model, **srv.config, **config}, env=env, python=srv.python)
     except RuntimeError as exc:  # "engine exited with N:" and vLLM's log tail
@@ -438,9 +452,10 @@ def decode_engines(
         # always the first started (the longest idle while the others start).
         for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
             srv = stack.enter_context(serving(system, args, venv))
+            timed = step_env(args.step_times, system)
             for _ in range(args.decode_engines):
                 proc = stack.enter_context(
-                    engine(srv, model, max_model_len=length, num_gpu_blocks=blocks)
+                    engine(srv, model, more_env=timed, max_model_len=length, num_gpu_blocks=blocks)
                 )
                 ask(proc, work.warmup, 8)  # its first forward passes and steps
                 procs.append((system, proc))
@@ -469,6 +484,17 @@ def decode_engines(
                                   hit_rate=served / total))  # fmt: skip
             _progress(f"{system} decode_step: {(_ms(got.steps) or 0):.2f} ms")
     return out
+
+
+def step_env(where: Path | None, system: str) -> dict[str, str] | None:
+    """With `--step-times DIR`, the variables that time a decode engine's steps in
+    each of its processes (`step_times`), tagged with its system; else None."""
+    if where is None:
+        return None
+    from kvd_tools.vllm_harness import step_times
+
+    path = os.pathsep.join(p for p in (str(step_times.SITE_DIR), os.environ.get("PYTHONPATH")) if p)
+    return {step_times.ENV: str(where), step_times.TAG_ENV: system, "PYTHONPATH": path}
 
 
 def halves(cpus: list[int]) -> tuple[str | None, str | None]:

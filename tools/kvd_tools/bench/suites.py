@@ -683,6 +683,15 @@ def _peers_arguments(p: argparse.ArgumentParser) -> None:
         "a process in DIR, summed up under the table (where a step's time goes)",
     )
     p.add_argument(
+        "--step-times",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="time the parts of a step (scheduler, forward pass, sampling, each "
+        "connector's hooks) in every system's decode engines, one JSON file a process "
+        "in DIR, each part's median call by system under the table",
+    )
+    p.add_argument(
         "--trace",
         type=Path,
         default=None,
