@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.hook_times is not None and "kvd" in systems:
         args.hook_times.mkdir(parents=True, exist_ok=True)
     if args.step_times is not None:
+        if args.hook_times is not None and args.step_times.resolve() == args.hook_times.resolve():
+            raise SuiteError("--step-times and --hook-times need directories of their own")
         args.step_times.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvd-bench-peers-") as tmp:
         model = write_model(Path(tmp) / args.model, config)
@@ -174,13 +176,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         for line in report(args.hook_times):
             _progress(f"kvd hooks: {line}")
+    if args.dump is not None:  # every sample, tokens included, to see where tokens part
+        args.dump.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
     if args.step_times is not None:
         from kvd_tools.vllm_harness.step_times import report as step_report
 
         for line in step_report(args.step_times):
             _progress(f"decode steps: {line}")
-    if args.dump is not None:  # every sample, tokens included, to see where tokens part
-        args.dump.write_text(json.dumps([dataclasses.asdict(s) for s in samples]))
     for system, why in refused.items():
         print(f"kvd bench peers: {system} left out: {why}", file=sys.stderr)
     return rows(samples)

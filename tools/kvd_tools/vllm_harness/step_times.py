@@ -10,7 +10,7 @@ engine core's `step`, the scheduler's `schedule` and `update_from_output`,
 the model runner's `execute_model`, `_model_forward` and `sample_tokens`)
 and each connector's per-step hooks (kvd's, vLLM's offloading connector
 kvd's derives from, LMCache's), and records each call's microseconds; each
-process writes `<DIR>/<pid>.json` every `DUMP_EVERY_S` (10 s; vLLM's
+process writes `<DIR>/steps-<pid>.json` every `DUMP_EVERY_S` (10 s; vLLM's
 processes end on a SIGTERM, which skips `atexit`).
 
 `report` reads them back: per system, the median call of each part (the
@@ -24,6 +24,7 @@ in every system alike.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -131,14 +132,27 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            patch(module)
+            try:
+                patch(module)
+            except Exception as exc:  # untimed, never an import error in vLLM
+                note_error(f"cannot time {module.__name__}: {type(exc).__name__}: {exc}")
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
+def note_error(line: str) -> None:
+    """Says why this process is not (wholly) timed, in `<KVD_STEP_TIMES>/steps-<pid>.error`,
+    which `report` prints (an engine's own log goes when the bench stops it)."""
+    where = os.environ.get(ENV)
+    print(f"kvd step times: {line}", file=sys.stderr)
+    if where:
+        with contextlib.suppress(OSError), Path(where, f"steps-{os.getpid()}.error").open("a") as f:
+            f.write(f"{os.environ.get(TAG_ENV, '?')}: {line}\n")
+
+
 def dump() -> None:
-    """Writes this process's calls to `<KVD_STEP_TIMES>/<pid>.json` (whole, by rename)."""
+    """Writes this process's calls to `<KVD_STEP_TIMES>/steps-<pid>.json` (whole, by rename)."""
     where = os.environ.get(ENV)
     if not where or not _calls:
         return
@@ -146,22 +160,29 @@ def dump() -> None:
         title = (
             Path("/proc/self/comm").read_text().strip() if Path("/proc/self/comm").exists() else ""
         )
-        record = {"tag": os.environ.get(TAG_ENV, ""), "process": title,
-                  "calls": {name: list(calls) for name, calls in _calls.items()}}  # fmt: skip
-        path = Path(where, f"{os.getpid()}.json")
+        # Copied before reading: a first call of a part may add a key meanwhile.
+        calls = {name: list(times) for name, times in list(_calls.items())}
+        record = {"tag": os.environ.get(TAG_ENV, ""), "process": title, "calls": calls}
+        path = Path(where, f"steps-{os.getpid()}.json")
         part = path.with_suffix(".part")
         part.write_text(json.dumps(record))
         part.replace(path)
 
 
 def _dump_now_and_then() -> None:
-    every = float(os.environ.get(EVERY_ENV) or DUMP_EVERY_S)
+    try:
+        every = float(os.environ.get(EVERY_ENV) or DUMP_EVERY_S)
+    except ValueError:
+        note_error(
+            f"{EVERY_ENV}={os.environ.get(EVERY_ENV)!r} is not seconds: every {DUMP_EVERY_S}"
+        )
+        every = DUMP_EVERY_S
     while True:
         time.sleep(every)
         try:
             dump()
-        except OSError as exc:  # the bench's directory went: say so once, stop
-            print(f"kvd step times: cannot write: {exc}", file=sys.stderr)
+        except Exception as exc:  # say so once, stop: the calls so far were written
+            note_error(f"cannot write: {type(exc).__name__}: {exc}")
             return
 
 
@@ -191,28 +212,66 @@ def _after_fork() -> None:
 
 def report(where: Path) -> list[str]:
     """Lines: per part of a step and per connector hook, each system's median call
-    in microseconds (the median of its processes' medians), systems as columns."""
+    in microseconds (the median of its processes' medians), systems as columns;
+    then why a process was not timed, and files that were not step times."""
     by_system: dict[str, dict[str, list[float]]] = {}
-    for path in sorted(where.glob("*.json")):
-        record = json.loads(path.read_text())
-        parts = by_system.setdefault(record["tag"] or "?", {})
-        for name, calls in record["calls"].items():
-            if calls:
-                parts.setdefault(name, []).append(statistics.median(calls))
-    if not by_system:
-        return []
+    skipped = []
+    for path in sorted(where.glob("steps-*.json")):
+        try:
+            record = json.loads(path.read_text())
+            tag, calls_by_part = record["tag"], record["calls"]
+            medians = {name: statistics.median(calls)
+                       for name, calls in calls_by_part.items() if calls}  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, statistics.StatisticsError):
+            skipped.append(path.name)
+            continue
+        parts = by_system.setdefault(tag or "?", {})
+        for name, median in medians.items():
+            parts.setdefault(name, []).append(median)
+    errors = [line for path in sorted(where.glob("steps-*.error"))
+              for line in path.read_text().splitlines()]  # fmt: skip
+    lines = []
+    if by_system:
+        lines += _table(by_system)
+    lines += [f"not timed: {line}" for line in errors]
+    if skipped:
+        lines.append(f"not step times, left out: {', '.join(skipped)}")
+    return lines
+
+
+def _table(by_system: dict[str, dict[str, list[float]]]) -> list[str]:
     systems = sorted(by_system)
+
+    def median(system: str, name: str) -> float | None:
+        values = by_system[system].get(name)
+        return statistics.median(values) if values else None
+
     names = [name for name, _ in PARTS]
     hooks = sorted({n for parts in by_system.values() for n in parts if n not in names})
     label = dict(PARTS)
-    width = max(len(label.get(n, n)) for n in names + hooks)
+    less = "engine core: one step less the forward pass"
+    width = max(len(label.get(n, n)) for n in [*names, *hooks, less])
     lines = [f"{'us, median call':{width}s} " + " ".join(f"{s:>10s}" for s in systems)]
-    for name in names + hooks:
-        if not any(name in by_system[s] for s in systems):
-            continue
-        cells = []
-        for s in systems:
-            medians = by_system[s].get(name)
-            cells.append(f"{statistics.median(medians):10.1f}" if medians else f"{'-':>10s}")
-        lines.append(f"{label.get(name, name):{width}s} " + " ".join(cells))
+
+    def row(title: str, cells: list[float | None]) -> str:
+        shown = [f"{c:10.1f}" if c is not None else f"{'-':>10s}" for c in cells]
+        return f"{title:{width}s} " + " ".join(shown)
+
+    for name in names:
+        if any(name in by_system[s] for s in systems):
+            lines.append(row(label[name], [median(s, name) for s in systems]))
+    # Everything a step spends outside vLLM's model, messages between the engine
+    # core and its workers included: what a connector adds, all told.
+    outside = []
+    for s in systems:
+        step = median(s, "EngineCore.step") or median(s, "EngineCore.step_with_batch_queue")
+        forward = median(s, "GPUModelRunner._model_forward")
+        outside.append(step - forward if step is not None and forward is not None else None)
+    if any(c is not None for c in outside):
+        lines.append(row(less, outside))
+    for name in hooks:
+        lines.append(row(name, [median(s, name) for s in systems]))
+    if hooks:
+        lines.append("(a connector's hook includes the base class's it calls: "
+                     "KvdOffloadingConnector's holds OffloadingConnector's)")  # fmt: skip
     return lines
