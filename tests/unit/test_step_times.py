@@ -118,6 +118,7 @@ def test_a_decode_engine_gets_the_step_variables_beside_its_systems_own(
     from kvd_tools.bench import peers
 
     got: list[dict[str, str] | None] = []
+    stopped: list[bool] = []
 
     class Engine:
         def __init__(
@@ -126,15 +127,16 @@ def test_a_decode_engine_gets_the_step_variables_beside_its_systems_own(
             got.append(env)
 
         def stop(self) -> None:
-            pass
+            stopped.append(True)
 
     monkeypatch.setattr(peers, "EngineProcess", Engine)
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     srv = peers.Serving({"kv_transfer": {}}, env={"LMCACHE_TRACK_USAGE": "false"})
     timed = peers.step_env(tmp_path, "lmcache")
     assert timed is not None and peers.step_env(None, "lmcache") is None
-    with peers.engine(srv, "model", cores="1", more_env=timed):
-        pass
+    with peers.engine(srv, "model", cores="1", more_env=timed) as proc:
+        assert isinstance(proc, Engine) and not stopped
+    assert stopped == [True]  # stopped on leaving
     (env,) = got
     assert env is not None
     assert env["LMCACHE_TRACK_USAGE"] == "false" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

@@ -12,5 +12,12 @@ if os.environ.get("KVD_STEP_TIMES"):
         from kvd_tools.vllm_harness import step_times
 
         step_times.install()
-    except Exception as exc:  # the engine runs, untimed, and the bench says why
-        print(f"kvd step times: not installed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except Exception as exc:  # the engine runs, untimed; the bench's report says why
+        line = f"not installed: {type(exc).__name__}: {exc}"
+        print(f"kvd step times: {line}", file=sys.stderr)
+        try:  # the file `step_times.note_error` writes, if that module did not import
+            path = os.path.join(os.environ["KVD_STEP_TIMES"], f"steps-{os.getpid()}.error")
+            with open(path, "a") as f:
+                f.write(f"{os.environ.get('KVD_STEP_TIMES_TAG', '?')}: {line}\n")
+        except OSError as err:
+            print(f"kvd step times: cannot note it: {err}", file=sys.stderr)
